@@ -1,0 +1,18 @@
+"""commpress: gradient compression for PyTorch distributed training.
+
+Codecs (:mod:`commpress.codecs`) turn a gradient into a few bytes and back, the wire format
+(:mod:`commpress.wire`) carries them safely, and error feedback (:mod:`commpress.feedback`)
+keeps what compression dropped for the next step. Importing the package never needs the
+native extension and never initialises CUDA; :func:`info` says which backends are present.
+"""
+
+from __future__ import annotations
+
+from . import codecs, feedback, wire
+from .errors import CodecError, WireError
+from .feedback import ErrorFeedback
+from .info import info
+from .packet import Packet
+
+__version__ = "0.1.0"
+__all__ = ["CodecError", "ErrorFeedback", "Packet", "WireError", "codecs", "feedback", "info", "wire"]

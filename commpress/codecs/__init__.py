@@ -1,0 +1,73 @@
+"""Codec registry: ``commpress.codecs.get(name, **params)`` and lookup by wire id.
+
+========  ===========================================  ========  =====================
+name      what travels                                 unbiased  contraction delta
+========  ===========================================  ========  =====================
+none      the tensor                                   yes       1
+fp16      fp16 cast                                    no        (rounding only)
+bf16      bf16 cast                                    no        (rounding only)
+topk      k (index, value) pairs of largest magnitude  no        k/d
+randomk   k values at seed-drawn indices               scaled    unscaled: ~k/d
+sign      1 bit/element + a scale per block            no        1/block
+qsgd      2/4/8-bit stochastic levels + bucket norms   yes       (variance bound)
+========  ===========================================  ========  =====================
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import CodecError
+from .base import Codec
+from .cast import Bf16Codec, Fp16Codec
+from .none import NoneCodec
+from .qsgd import QSGDCodec
+from .randomk import RandomKCodec
+from .sign import SignCodec
+from .topk import TopKCodec
+
+_CLASSES: tuple[type[Codec], ...] = (
+    NoneCodec, Fp16Codec, Bf16Codec, TopKCodec, RandomKCodec, SignCodec, QSGDCodec,
+)
+_BY_NAME = {cls.name: cls for cls in _CLASSES}
+_BY_ID = {cls.codec_id: cls for cls in _CLASSES}
+
+__all__ = [
+    "Bf16Codec", "Codec", "Fp16Codec", "NoneCodec", "QSGDCodec", "RandomKCodec", "SignCodec",
+    "TopKCodec", "available", "codec_class", "codec_class_by_id", "from_config", "get",
+]
+
+
+def available() -> list[str]:
+    """Names accepted by :func:`get`, in wire-id order."""
+    return list(_BY_NAME)
+
+
+def codec_class(name: str) -> type[Codec]:
+    """The codec class registered under ``name``; :class:`CodecError` if unknown."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise CodecError(f"unknown codec {name!r}; available: {', '.join(_BY_NAME)}") from None
+
+
+def codec_class_by_id(codec_id: int) -> type[Codec] | None:
+    """The codec class with wire id ``codec_id``, or None."""
+    return _BY_ID.get(codec_id)
+
+
+def get(name: str, **params: Any) -> Codec:
+    """Build a codec: ``get("topk", ratio=0.01)``, ``get("qsgd", bits=4)``, ``get("sign")``."""
+    cls = codec_class(name)
+    try:
+        return cls(**params)
+    except TypeError as exc:  # unknown keyword: name it rather than show a Python traceback
+        raise CodecError(f"codec {name!r}: {exc}") from None
+
+
+def from_config(config: dict[str, Any]) -> Codec:
+    """Rebuild a codec from :meth:`Codec.config` output (as stored in checkpoints)."""
+    if not isinstance(config, dict) or "name" not in config:
+        raise CodecError(f"codec config must be a dict with a 'name', got {config!r}")
+    params = {k: v for k, v in config.items() if k != "name"}
+    return get(config["name"], **params)

@@ -1,0 +1,64 @@
+"""``fp16`` and ``bf16``: cast to a 16-bit float on the wire (2 bytes per element).
+
+Deterministic; biased only by rounding (relative error <= 2**-11 for fp16, 2**-8 for bf16, for
+values in the normal range: values below it lose precision, so no contraction bound is stated).
+fp16 overflows above 65504: such input raises :class:`CodecError` instead of sending Inf
+(use ``bf16``, which has float32's range).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from ..errors import CodecError
+from ..packet import Packet, Section
+from .base import Codec, check_finite_section, require_finite
+
+
+class _CastCodec(Codec):
+    wire_dtype: ClassVar[torch.dtype]
+
+    def config(self) -> dict[str, Any]:
+        """Return ``{"name": <fp16|bf16>}``."""
+        return {"name": self.name}
+
+    @classmethod
+    def layout(cls, numel: int, dtype: torch.dtype, params: tuple[int, int]) -> list[Section]:
+        """One section ``values`` of ``numel`` elements of the 16-bit wire dtype."""
+        return [Section("values", cls.wire_dtype, numel)]
+
+    def _encode(self, flat: torch.Tensor, params: tuple[int, int], seed: int) -> dict[str, torch.Tensor]:
+        require_finite(flat)
+        values = flat.to(self.wire_dtype, copy=True)
+        if values.numel() and not bool(torch.isfinite(values).all()):
+            raise CodecError(
+                f"x has values beyond {self.name}'s range (max {torch.finfo(self.wire_dtype).max}); "
+                "use the bf16 codec"
+            )
+        return {"values": values}
+
+    @classmethod
+    def check_content(cls, packet: Packet) -> None:
+        """Reject non-finite values: the encoder never produces them."""
+        check_finite_section(packet, "values")
+
+    def _decode_add(self, packet: Packet, out: torch.Tensor) -> None:
+        out.add_(packet.sections["values"].to(out.dtype))
+
+
+class Fp16Codec(_CastCodec):
+    """Cast to IEEE half precision."""
+
+    name = "fp16"
+    codec_id = 2
+    wire_dtype = torch.float16
+
+
+class Bf16Codec(_CastCodec):
+    """Cast to bfloat16 (float32's exponent range, 8-bit mantissa)."""
+
+    name = "bf16"
+    codec_id = 3
+    wire_dtype = torch.bfloat16

@@ -1,0 +1,147 @@
+"""``qsgd``: stochastic quantisation to s levels per bucket (Alistarh et al., 2017).
+
+For each bucket b of ``bucket_size`` consecutive elements with norm ``n_b = ||x_b||_2``
+(accumulated in float64, stored as float32, or float64 for float64 input), every element is
+mapped to a signed level ``q_i`` in ``[-s, s]``:
+
+    a_i = |x_i| / n_b            (0 when n_b == 0: an all-zero bucket never divides 0/0)
+    t_i = a_i * s;  l_i = floor(t_i) + [u_i < t_i - floor(t_i)],   u_i ~ U[0, 1)
+    q_i = sign(x_i) * min(l_i, s);   decode: x_i' = n_b * (q_i / s)
+
+with ``u_i`` the i-th float32 uniform of :mod:`commpress.rng` (stream ``STREAM_QSGD``), all
+arithmetic in float32 (float64 for float64 input). ``q_i + s`` is bit-packed in ``bits``-wide
+fields, so ``s <= 2**(bits-1) - 1``: 1 level at 2 bits, 7 at 4 bits, 127 at 8 bits.
+
+Properties: unbiased, ``E[C(x)] = x``; variance per bucket of d elements
+``E||C(x) - x||^2 <= min(d / s^2, sqrt(d) / s) * ||x||^2`` (QSGD, Lemma 3.1).
+
+Wire: ``norms`` (one per bucket) then ``levels`` (packed fields);
+``param0 = bits | s << 8``, ``param1 = bucket_size``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import ops, rng
+from ..bitpack import packed_nbytes, padding_is_zero
+from ..errors import CodecError, WireError
+from ..packet import Packet, Section
+from .base import Codec, check_scales, compute_dtype, scale_dtype
+
+QSGD_BITS = (2, 4, 8)
+
+
+def max_levels(bits: int) -> int:
+    """Largest level count s that ``bits``-wide fields can hold (sign + magnitude range)."""
+    return (1 << (bits - 1)) - 1
+
+
+class QSGDCodec(Codec):
+    """QSGD with ``bits`` in {2, 4, 8}; ``levels`` defaults to the most the width allows."""
+
+    name = "qsgd"
+    codec_id = 7
+    unbiased = True
+    stochastic = True
+
+    def __init__(self, bits: int = 4, levels: int | None = None, bucket_size: int = 512) -> None:
+        if bits not in QSGD_BITS:
+            raise CodecError(f"qsgd: bits must be one of {QSGD_BITS}, got {bits!r}")
+        top = max_levels(bits)
+        if levels is None:
+            levels = top
+        if not isinstance(levels, int) or isinstance(levels, bool) or not 1 <= levels <= top:
+            raise CodecError(f"qsgd: levels must be an int in [1, {top}] for bits={bits}, got {levels!r}")
+        if not isinstance(bucket_size, int) or isinstance(bucket_size, bool) or not 1 <= bucket_size < 1 << 32:
+            raise CodecError(f"qsgd: bucket_size must be an int in [1, 2**32), got {bucket_size!r}")
+        self.bits = bits
+        self.levels = levels
+        self.bucket_size = bucket_size
+
+    def config(self) -> dict[str, Any]:
+        """Return ``{"name": "qsgd", "bits": ..., "levels": ..., "bucket_size": ...}``."""
+        return {"name": self.name, "bits": self.bits, "levels": self.levels, "bucket_size": self.bucket_size}
+
+    def variance_bound(self, numel: int) -> float:
+        """``min(d/s^2, sqrt(d)/s)`` with d the bucket length: E||C(x)-x||^2 <= this * ||x||^2."""
+        d = min(numel, self.bucket_size)
+        s = self.levels
+        return min(d / s**2, d**0.5 / s)
+
+    def wire_params(self, numel: int) -> tuple[int, int]:
+        """``(bits | levels << 8, bucket_size)``."""
+        return (self.bits | self.levels << 8, self.bucket_size)
+
+    @staticmethod
+    def unpack_params(params: tuple[int, int]) -> tuple[int, int, int]:
+        """Return ``(bits, levels, bucket_size)`` from header parameters."""
+        return params[0] & 0xFF, params[0] >> 8, params[1]
+
+    @classmethod
+    def check_wire_params(cls, numel: int, params: tuple[int, int]) -> None:
+        """bits in {2, 4, 8}, levels in [1, 2**(bits-1) - 1], bucket size in [1, 2**32)."""
+        bits, levels, bucket = cls.unpack_params(params)
+        if bits not in QSGD_BITS:
+            raise WireError(f"params.bits: must be one of {QSGD_BITS}, got {bits}")
+        if not 1 <= levels <= max_levels(bits):
+            raise WireError(f"params.levels: must be in [1, {max_levels(bits)}] for bits={bits}, got {levels}")
+        if not 1 <= bucket < 1 << 32:
+            raise WireError(f"params.bucket_size: must be in [1, 2**32), got {bucket}")
+
+    @classmethod
+    def layout(cls, numel: int, dtype: torch.dtype, params: tuple[int, int]) -> list[Section]:
+        """``norms`` (one per bucket) and ``levels`` (numel packed fields)."""
+        bits, _, bucket = cls.unpack_params(params)
+        return [
+            Section("norms", scale_dtype(dtype), -(-numel // bucket)),
+            Section("levels", torch.uint8, packed_nbytes(numel, bits)),
+        ]
+
+    @classmethod
+    def check_content(cls, packet: Packet) -> None:
+        """Norms finite and >= 0; every field <= 2s; padding bits zero."""
+        bits, levels, _ = cls.unpack_params(packet.params)
+        check_scales(packet, "norms")
+        packed = packet.sections["levels"]
+        if not padding_is_zero(packed, bits, packet.numel):
+            raise WireError("section 'levels': padding bits of the last byte are not zero")
+        if bits < 8 and 2 * levels >= (1 << bits) - 1:
+            return  # every representable field is a valid level
+        fields = ops.unpack_bits(packed, bits, packet.numel)
+        if fields.numel() and int(fields.max()) > 2 * levels:
+            raise WireError(f"section 'levels': field {int(fields.max())} exceeds 2*levels = {2 * levels}")
+
+    def _encode(self, flat: torch.Tensor, params: tuple[int, int], seed: int) -> dict[str, torch.Tensor]:
+        bits, s, bucket = self.unpack_params(params)
+        numel = flat.numel()
+        nb = -(-numel // bucket)
+        ct = compute_dtype(flat.dtype)
+        padded = torch.nn.functional.pad(flat.to(ct), (0, nb * bucket - numel)).view(nb, bucket)
+        norms64 = padded.double().square().sum(dim=1).sqrt()
+        norms = norms64.to(scale_dtype(flat.dtype))
+        if nb and not bool(torch.isfinite(norms).all()):
+            raise CodecError(
+                "x contains NaN or Inf (or a bucket norm overflows "
+                f"{scale_dtype(flat.dtype)}); commpress does not encode non-finite values"
+            )
+        norm_per = norms.to(ct).unsqueeze(1)
+        safe = torch.where(norm_per > 0, norm_per, torch.ones_like(norm_per))
+        a = torch.where(norm_per > 0, padded.abs() / safe, torch.zeros_like(padded))
+        t = (a * s).reshape(-1)[:numel]
+        floor = torch.floor(t)
+        u = rng.uniform_f32(seed, rng.STREAM_QSGD, numel).to(device=flat.device, dtype=ct)
+        level = torch.clamp(floor + (u < t - floor).to(ct), max=s).to(torch.int16)
+        signed = torch.where(flat < 0, -level, level)
+        fields = (signed + s).to(torch.uint8)
+        return {"norms": norms, "levels": ops.pack_bits(fields, bits)}
+
+    def _decode_add(self, packet: Packet, out: torch.Tensor) -> None:
+        bits, s, bucket = self.unpack_params(packet.params)
+        numel = packet.numel
+        ct = compute_dtype(packet.dtype)
+        q = ops.unpack_bits(packet.sections["levels"], bits, numel).to(ct) - s
+        norms = packet.sections["norms"].to(ct).repeat_interleave(bucket)[:numel]
+        out.add_((norms * (q / s)).to(out.dtype))

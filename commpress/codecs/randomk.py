@@ -1,0 +1,122 @@
+"""``randomk``: keep k entries drawn from a seed; only the values travel.
+
+Index choice is *stratified*: the tensor is cut into k contiguous blocks
+``[j*d//k, (j+1)*d//k)`` (lengths L_j = d/k rounded down or up) and one index is drawn
+uniformly in each block from the counter-based RNG of :mod:`commpress.rng` (stream
+``STREAM_RANDOMK``). The indices are therefore a pure function of ``(seed, d, k)``: every rank
+using one seed draws the same ones (so the values can be all-reduced directly), and the
+decoder regenerates them instead of reading them off the wire.
+
+- ``scaled=True`` (default): values are multiplied by their block length L_j, making the codec
+  unbiased, ``E[C(x)] = x``; use it without error feedback.
+- ``scaled=False``: values are sent as they are; biased, contractive in expectation with
+  ``delta = 1 / max_j L_j`` (about k/d); the form to use with error feedback.
+
+Wire: ``values`` (k x input dtype); ``param0 = k``, ``param1 = scaled``; the seed is in the header.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import rng
+from ..errors import CodecError, WireError
+from ..packet import Packet, Section
+from .base import Codec, check_finite_section, check_ratio_k, ratio_to_k, require_finite
+
+
+def block_bounds(numel: int, k: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (start, length) of the k strata over ``numel`` elements, as int64 tensors."""
+    j = torch.arange(k + 1, dtype=torch.int64, device=device)
+    edges = j * numel // k
+    return edges[:-1], edges[1:] - edges[:-1]
+
+
+def random_indices(seed: int, numel: int, k: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The k sorted indices random-k keeps for ``(seed, numel, k)`` (int64)."""
+    if k == 0:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    start, length = block_bounds(numel, k)
+    offsets = rng.below(seed, rng.STREAM_RANDOMK, length)
+    return (start + offsets).to(device)
+
+
+class RandomKCodec(Codec):
+    """Random-k sparsification with shared-seed indices. Give ``ratio`` or ``k``; see module doc."""
+
+    name = "randomk"
+    codec_id = 5
+    stochastic = True
+
+    def __init__(self, ratio: float | None = None, k: int | None = None, scaled: bool = True) -> None:
+        check_ratio_k(ratio, k, self.name)
+        if not isinstance(scaled, bool):
+            raise CodecError(f"randomk: scaled must be a bool, got {scaled!r}")
+        self.ratio = None if ratio is None else float(ratio)
+        self.k = k
+        self.scaled = scaled
+
+    @property
+    def unbiased(self) -> bool:  # type: ignore[override]
+        """Unbiased only in the scaled form."""
+        return self.scaled
+
+    def config(self) -> dict[str, Any]:
+        """Return ``{"name": "randomk", "ratio": ..., "k": ..., "scaled": ...}``."""
+        return {"name": self.name, "ratio": self.ratio, "k": self.k, "scaled": self.scaled}
+
+    def k_for(self, numel: int) -> int:
+        """Number of entries kept for a tensor of ``numel`` elements."""
+        return ratio_to_k(self.ratio, self.k, numel, self.name)
+
+    def delta(self, numel: int) -> float | None:
+        """Unscaled: ``1 / ceil(numel / k)`` in expectation. Scaled: not contractive (None)."""
+        if self.scaled:
+            return None
+        k = self.k_for(numel)
+        return 1.0 / -(-numel // k) if numel else 1.0
+
+    def wire_params(self, numel: int) -> tuple[int, int]:
+        """``(k, scaled)``."""
+        return (self.k_for(numel), int(self.scaled))
+
+    @classmethod
+    def check_wire_params(cls, numel: int, params: tuple[int, int]) -> None:
+        """``1 <= k <= numel`` (0 for an empty tensor) and a 0/1 ``scaled`` flag below 2**32 blocks."""
+        k, scaled = params
+        if k > numel or (numel > 0 and k < 1):
+            raise WireError(f"params.k: k={k} is not in [1, numel={numel}]")
+        if k and -(-numel // k) >= 1 << 32:
+            raise WireError(f"params.k: blocks of numel/k = {numel // k} elements exceed 2**32")
+        if scaled not in (0, 1):
+            raise WireError(f"params.scaled: must be 0 or 1, got {scaled}")
+
+    @classmethod
+    def layout(cls, numel: int, dtype: torch.dtype, params: tuple[int, int]) -> list[Section]:
+        """``values`` (k x input dtype)."""
+        return [Section("values", dtype, params[0])]
+
+    @classmethod
+    def check_content(cls, packet: Packet) -> None:
+        """Values must be finite."""
+        check_finite_section(packet, "values")
+
+    def _encode(self, flat: torch.Tensor, params: tuple[int, int], seed: int) -> dict[str, torch.Tensor]:
+        require_finite(flat)
+        k, scaled = params
+        if k and -(-flat.numel() // k) >= 1 << 32:
+            raise CodecError(f"randomk: k={k} is too small for numel={flat.numel()} (blocks > 2**32)")
+        idx = random_indices(seed, flat.numel(), k, flat.device)
+        values = flat[idx]
+        if scaled:
+            _, length = block_bounds(flat.numel(), k, flat.device)
+            values = values * length.to(values.dtype)
+            require_finite(values, "x scaled by numel/k")  # fp16 can overflow here
+        return {"values": values}
+
+    def _decode_add(self, packet: Packet, out: torch.Tensor) -> None:
+        k = packet.params[0]
+        idx = random_indices(packet.seed, packet.numel, k, out.device)
+        out.index_add_(0, idx, packet.sections["values"].to(out.dtype))

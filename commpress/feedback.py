@@ -1,0 +1,170 @@
+"""Error feedback: remember what compression dropped and send it next time.
+
+For each tensor key (a parameter name, or a named slice of one) the memory holds a residual
+``e`` and a step does::
+
+    c = g + e;  packet = codec.encode(c);  e = c - codec.decode(packet)
+
+so nothing is lost: after T steps ``sum_t decode(packet_t) + e_T == sum_t g_t`` up to float
+rounding. Residuals are kept in float32 (float64 for float64 gradients) even for half-precision
+gradients, so the rounding to the wire dtype is fed back as well.
+
+Keys are per parameter, never per DDP bucket index: DDP rebuilds its buckets after the first
+step, which would silently mix residuals between parameters.
+
+**Non-finite policy.** A gradient whose ``g + e`` holds NaN or Inf (an fp16 overflow, a loss
+spike) would poison the residual forever. :meth:`ErrorFeedback.compress` then returns ``None``,
+leaves the residual untouched, and counts the skip (``nonfinite_steps`` and
+``nonfinite_counts[key]``) and logs a warning on the ``commpress`` logger. The caller decides
+what to send for that tensor (the DDP hook propagates NaN so that ``GradScaler`` skips the step
+on every rank alike).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .codecs import Codec, from_config
+from .codecs.base import check_dtype
+from .errors import CodecError
+from .packet import Packet
+
+logger = logging.getLogger("commpress")
+
+STATE_FORMAT = 1
+
+
+def residual_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype residuals are kept in: float64 for float64 gradients, float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class ErrorFeedback:
+    """Per-key residual memory wrapped around one codec.
+
+    Args:
+        codec: the codec that compresses every key.
+        shapes: optional declaration of every key's shape; when given, unknown keys and shape
+            changes are rejected and :meth:`load_state_dict` checks checkpoints against it.
+
+    Example::
+
+        ef = ErrorFeedback(codecs.get("topk", ratio=0.01))
+        packet = ef.compress("layer1.weight", grad, seed=step)
+        if packet is None:  # non-finite gradient: nothing was encoded, memory untouched
+            ...
+    """
+
+    def __init__(self, codec: Codec, shapes: Mapping[str, Sequence[int]] | None = None) -> None:
+        if not isinstance(codec, Codec):
+            raise CodecError(f"codec must be a commpress Codec, got {type(codec).__name__}")
+        self.codec = codec
+        self.shapes = None if shapes is None else {k: torch.Size(v) for k, v in shapes.items()}
+        self._residuals: dict[str, torch.Tensor] = {}
+        self.nonfinite_steps = 0
+        self.nonfinite_counts: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._residuals)
+
+    def keys(self) -> Iterator[str]:
+        """Keys that currently hold a residual."""
+        return iter(self._residuals)
+
+    def residual(self, key: str) -> torch.Tensor | None:
+        """The residual stored for ``key`` (None before its first step)."""
+        return self._residuals.get(key)
+
+    def reset(self, key: str | None = None) -> None:
+        """Forget the residual of ``key``, or of every key when ``key`` is None."""
+        if key is None:
+            self._residuals.clear()
+        else:
+            self._residuals.pop(key, None)
+
+    def _check_key(self, key: str, grad: torch.Tensor) -> None:
+        if not isinstance(key, str):
+            raise CodecError(f"key must be a str, got {type(key).__name__}")
+        if not isinstance(grad, torch.Tensor):
+            raise CodecError(f"grad for {key!r} must be a torch.Tensor, got {type(grad).__name__}")
+        check_dtype(grad.dtype)
+        if self.shapes is not None:
+            if key not in self.shapes:
+                raise CodecError(f"key {key!r} was not declared in shapes")
+            if grad.shape != self.shapes[key]:
+                raise CodecError(f"grad for {key!r} has shape {tuple(grad.shape)}, declared {tuple(self.shapes[key])}")
+        old = self._residuals.get(key)
+        if old is not None and (old.shape != grad.shape or old.device != grad.device):
+            raise CodecError(
+                f"grad for {key!r} is {tuple(grad.shape)} on {grad.device}, its residual is "
+                f"{tuple(old.shape)} on {old.device}; call reset({key!r}) if the parameter changed"
+            )
+
+    def compress(self, key: str, grad: torch.Tensor, *, seed: int = 0) -> Packet | None:
+        """Encode ``grad + residual`` for ``key`` and keep the new residual.
+
+        Returns the packet, or None (memory untouched, skip counted) when ``grad + residual``
+        is not finite in the gradient's dtype.
+        """
+        self._check_key(key, grad)
+        rdt = residual_dtype(grad.dtype)
+        old = self._residuals.get(key)
+        corrected = grad.to(rdt, copy=True) if old is None else grad.to(rdt) + old
+        wire_input = corrected.to(grad.dtype)
+        if wire_input.numel() and not bool(torch.isfinite(wire_input).all()):
+            self.nonfinite_steps += 1
+            self.nonfinite_counts[key] = self.nonfinite_counts.get(key, 0) + 1
+            logger.warning("commpress: non-finite gradient for %r; residual kept, step skipped", key)
+            return None
+        packet = self.codec.encode(wire_input, seed=seed)
+        decoded = self.codec.decode(packet).view(grad.shape)
+        self._residuals[key] = corrected.sub_(decoded.to(rdt))
+        return packet
+
+    # ----- checkpointing ------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Residuals, codec config and skip counts; plain types, loadable with weights_only=True."""
+        return {
+            "format": STATE_FORMAT,
+            "codec": self.codec.config(),
+            "residuals": {k: v.detach().clone() for k, v in self._residuals.items()},
+            "nonfinite_steps": self.nonfinite_steps,
+            "nonfinite_counts": dict(self.nonfinite_counts),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` output after validating all of it (all or nothing)."""
+        if not isinstance(state, Mapping):
+            raise ValueError(f"state must be a mapping, got {type(state).__name__}")
+        missing = {"format", "codec", "residuals", "nonfinite_steps", "nonfinite_counts"} - set(state)
+        if missing:
+            raise ValueError(f"state is missing {sorted(missing)}")
+        if state["format"] != STATE_FORMAT:
+            raise ValueError(f"state format {state['format']!r} is not supported (expected {STATE_FORMAT})")
+        saved = from_config(dict(state["codec"]))
+        if saved != self.codec:
+            raise CodecError(f"codec mismatch: checkpoint has {saved!r}, this memory uses {self.codec!r}")
+        residuals = state["residuals"]
+        if not isinstance(residuals, Mapping):
+            raise ValueError("state['residuals'] must be a mapping of key -> tensor")
+        for key, value in residuals.items():
+            if not isinstance(key, str) or not isinstance(value, torch.Tensor):
+                raise ValueError(f"residual {key!r} must be a tensor under a str key")
+            if value.dtype not in (torch.float32, torch.float64):
+                raise ValueError(f"residual {key!r} has dtype {value.dtype}, expected float32 or float64")
+            if not bool(torch.isfinite(value).all()):
+                raise ValueError(f"residual {key!r} contains NaN or Inf")
+            if self.shapes is not None:
+                if key not in self.shapes:
+                    raise ValueError(f"residual {key!r} is not a declared key")
+                if value.shape != self.shapes[key]:
+                    raise ValueError(
+                        f"residual {key!r} has shape {tuple(value.shape)}, declared {tuple(self.shapes[key])}"
+                    )
+        self._residuals = {k: v.detach().clone() for k, v in residuals.items()}
+        self.nonfinite_steps = int(state["nonfinite_steps"])
+        self.nonfinite_counts = {str(k): int(v) for k, v in dict(state["nonfinite_counts"]).items()}
