@@ -19,6 +19,7 @@ from .base import Codec, check_finite_section, require_finite
 
 class _CastCodec(Codec):
     wire_dtype: ClassVar[torch.dtype]
+    overflow_hint: ClassVar[str]
 
     def config(self) -> dict[str, Any]:
         """Return ``{"name": <fp16|bf16>}``."""
@@ -35,7 +36,7 @@ class _CastCodec(Codec):
         if values.numel() and not bool(torch.isfinite(values).all()):
             raise CodecError(
                 f"x has values beyond {self.name}'s range (max {torch.finfo(self.wire_dtype).max}); "
-                "use the bf16 codec"
+                f"{self.overflow_hint}"
             )
         return {"values": values}
 
@@ -54,6 +55,7 @@ class Fp16Codec(_CastCodec):
     name = "fp16"
     codec_id = 2
     wire_dtype = torch.float16
+    overflow_hint = "use the bf16 codec, which has float32's range"
 
 
 class Bf16Codec(_CastCodec):
@@ -62,3 +64,4 @@ class Bf16Codec(_CastCodec):
     name = "bf16"
     codec_id = 3
     wire_dtype = torch.bfloat16
+    overflow_hint = "use the none codec for float64 values this large"

@@ -39,6 +39,19 @@ def max_levels(bits: int) -> int:
     return (1 << (bits - 1)) - 1
 
 
+def bucket_norms(buckets: torch.Tensor) -> torch.Tensor:
+    """L2 norm of each row in float64.
+
+    Squares of float32/16 values cannot overflow float64, so those are summed directly; float64
+    rows are divided by their largest magnitude first, which keeps 1e300-sized input finite.
+    """
+    if buckets.dtype != torch.float64:
+        return buckets.double().square().sum(dim=1).sqrt()
+    amax = buckets.abs().amax(dim=1, keepdim=True) if buckets.numel() else buckets[:, :1]
+    safe = torch.where(amax > 0, amax, torch.ones_like(amax))
+    return (buckets / safe).square().sum(dim=1).sqrt() * amax.squeeze(1)
+
+
 class QSGDCodec(Codec):
     """QSGD with ``bits`` in {2, 4, 8}; ``levels`` defaults to the most the width allows."""
 
@@ -120,13 +133,16 @@ class QSGDCodec(Codec):
         nb = -(-numel // bucket)
         ct = compute_dtype(flat.dtype)
         padded = torch.nn.functional.pad(flat.to(ct), (0, nb * bucket - numel)).view(nb, bucket)
-        norms64 = padded.double().square().sum(dim=1).sqrt()
+        norms64 = bucket_norms(padded)
         norms = norms64.to(scale_dtype(flat.dtype))
         if nb and not bool(torch.isfinite(norms).all()):
             raise CodecError(
                 "x contains NaN or Inf (or a bucket norm overflows "
                 f"{scale_dtype(flat.dtype)}); commpress does not encode non-finite values"
             )
+        if nb and float(norms.max()) > torch.finfo(flat.dtype).max:
+            # decoded values reach the bucket norm: it must fit the output dtype
+            raise CodecError(f"a bucket norm {float(norms.max()):.4g} exceeds {flat.dtype}'s range; use a smaller bucket_size")
         norm_per = norms.to(ct).unsqueeze(1)
         safe = torch.where(norm_per > 0, norm_per, torch.ones_like(norm_per))
         a = torch.where(norm_per > 0, padded.abs() / safe, torch.zeros_like(padded))

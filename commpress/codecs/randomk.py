@@ -110,10 +110,11 @@ class RandomKCodec(Codec):
             raise CodecError(f"randomk: k={k} is too small for numel={flat.numel()} (blocks > 2**32)")
         idx = random_indices(seed, flat.numel(), k, flat.device)
         values = flat[idx]
-        if scaled:
+        if scaled and k:
             _, length = block_bounds(flat.numel(), k, flat.device)
             values = values * length.to(values.dtype)
-            require_finite(values, "x scaled by numel/k")  # fp16 can overflow here
+            if not bool(torch.isfinite(values).all()):  # fp16 can overflow here
+                raise CodecError(f"randomk: x scaled by its block length overflows {flat.dtype}; use scaled=False")
         return {"values": values}
 
     def _decode_add(self, packet: Packet, out: torch.Tensor) -> None:
