@@ -12,6 +12,7 @@ that the package works without the extension).
 
 from __future__ import annotations
 
+import importlib
 import os
 from functools import lru_cache
 
@@ -29,7 +30,7 @@ def load_native() -> str | None:
     if os.environ.get("COMMPRESS_DISABLE_NATIVE", "") not in ("", "0"):
         return "disabled by COMMPRESS_DISABLE_NATIVE"
     try:
-        from . import _C  # noqa: F401  (loading the library registers the ops)
+        importlib.import_module("commpress._C")  # loading the library registers the ops
     except (ImportError, OSError) as exc:  # missing build, ABI mismatch, missing libs
         return f"{type(exc).__name__}: {exc}"
     _register_fakes()

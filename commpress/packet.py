@@ -21,12 +21,12 @@ class Section(NamedTuple):
 
     name: str
     dtype: torch.dtype
-    count: int
+    numel: int
 
     @property
     def nbytes(self) -> int:
         """Size of the section's payload in bytes (without wire padding)."""
-        return self.count * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
 
 
 @dataclass(frozen=True, eq=False)

@@ -77,10 +77,10 @@ def to_bytes(packet: Packet) -> torch.Tensor:
     offset = len(header)
     for section in layout:
         t = packet.sections[section.name]
-        if t.dtype != section.dtype or t.numel() != section.count:
+        if t.dtype != section.dtype or t.numel() != section.numel:
             raise CodecError(
                 f"section {section.name!r} holds {t.numel()} x {t.dtype}, "
-                f"layout needs {section.count} x {section.dtype}"
+                f"layout needs {section.numel} x {section.dtype}"
             )
         out[offset : offset + section.nbytes] = t.reshape(-1).view(torch.uint8)
         offset += _align(section.nbytes)

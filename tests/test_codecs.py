@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from commpress import CodecError, codecs, wire
+
 from strategies import CODEC_CONFIGS, DTYPES, make_codec, tensors
 
 ALL = list(CODEC_CONFIGS)

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from commpress import CodecError, ErrorFeedback, codecs
+
 from strategies import CODEC_CONFIGS, make_codec
 
 

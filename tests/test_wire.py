@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from commpress import WireError, codecs, wire
+
 from strategies import CODEC_CONFIGS, make_codec
 
 ALL = list(CODEC_CONFIGS)

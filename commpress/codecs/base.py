@@ -16,6 +16,7 @@ from .. import rng, wire
 from ..errors import CodecError, WireError
 from ..packet import FLOAT_DTYPE_CODES, Packet, Section
 
+
 def index_dtype(numel: int) -> torch.dtype:
     """Dtype of index sections: int32 while every index fits, else int64."""
     return torch.int32 if numel <= (1 << 31) - 1 else torch.int64

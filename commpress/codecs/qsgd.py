@@ -95,7 +95,7 @@ class QSGDCodec(Codec):
 
     @classmethod
     def check_wire_params(cls, numel: int, params: tuple[int, int]) -> None:
-        """bits in {2, 4, 8}, levels in [1, 2**(bits-1) - 1], bucket size in [1, 2**32)."""
+        """Bits in {2, 4, 8}, levels in [1, 2**(bits-1) - 1], bucket size in [1, 2**32)."""
         bits, levels, bucket = cls.unpack_params(params)
         if bits not in QSGD_BITS:
             raise WireError(f"params.bits: must be one of {QSGD_BITS}, got {bits}")

@@ -16,7 +16,14 @@ import torch
 
 from ..errors import WireError
 from ..packet import Packet, Section
-from .base import Codec, check_finite_section, check_ratio_k, index_dtype, ratio_to_k, require_finite
+from .base import (
+    Codec,
+    check_finite_section,
+    check_ratio_k,
+    index_dtype,
+    ratio_to_k,
+    require_finite,
+)
 
 
 class TopKCodec(Codec):
