@@ -1,0 +1,278 @@
+"""The native extension commpress._C checked against the pure-torch reference (the spec).
+
+Tests that call the kernels skip, with the reason, when the extension is not built; the nvcc
+and header checks only need the compilers, and the pure-mode check needs neither.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from commpress import ops
+from commpress.bitpack import (
+    SUPPORTED_BITS,
+    pack_bits_reference,
+    packed_nbytes,
+    unpack_bits_reference,
+)
+from commpress.errors import CodecError
+
+ROOT = Path(__file__).resolve().parents[1]
+NATIVE_REASON = ops.load_native()
+
+# Lengths where packing goes wrong first: empty, partial first/last byte, byte boundaries
+# for every width, and powers of two and their neighbours.
+EDGE_LENGTHS = sorted(
+    {0, 1, 7, 8, 9, 31, 33} | {2**k + d for k in range(1, 13) for d in (-1, 0, 1)}
+)
+# Big enough that every width spans several parallel_for tasks (32 KiB of packed bytes each).
+LARGE_LENGTH = 2**20 + 3
+
+
+def _skip_reason(device: str) -> str | None:
+    if NATIVE_REASON is not None:
+        return f"commpress._C not available: {NATIVE_REASON}"
+    if device == "cuda" and not torch.cuda.is_available():
+        return "no CUDA device"
+    if not (ops.has_native("pack_bits", device) and ops.has_native("unpack_bits", device)):
+        return f"commpress._C was built without {device} kernels"
+    return None
+
+
+DEVICES = [
+    pytest.param(d, marks=[pytest.mark.skip(reason=r)] if (r := _skip_reason(d)) else [])
+    for d in ("cpu", "cuda")
+]
+needs_native_cpu = pytest.mark.skipif(
+    _skip_reason("cpu") is not None, reason=str(_skip_reason("cpu"))
+)
+
+
+def pack(fields: torch.Tensor, bits: int) -> torch.Tensor:
+    return torch.ops.commpress.pack_bits.default(fields, bits)
+
+
+def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    return torch.ops.commpress.unpack_bits.default(packed, bits, n)
+
+
+def random_fields(n: int, bits: int, seed: int, device: str) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 1 << bits, (n,), dtype=torch.uint8, generator=gen).to(device)
+
+
+def random_bytes(n: int, seed: int, device: str) -> torch.Tensor:
+    # Arbitrary bytes, including non-zero padding bits: unpack must ignore them like the spec.
+    return random_fields(n, 8, seed, device)
+
+
+def check_matches_reference(n: int, bits: int, seed: int, device: str) -> None:
+    case = f"n={n} bits={bits} seed={seed}"
+    fields = random_fields(n, bits, seed, device)
+    packed = pack(fields, bits)
+    assert packed.device == fields.device, case
+    assert packed.dtype == torch.uint8 and packed.shape == (packed_nbytes(n, bits),), case
+    assert torch.equal(packed.cpu(), pack_bits_reference(fields.cpu(), bits)), case
+    assert torch.equal(unpack(packed, bits, n), fields), case
+
+    noisy = random_bytes(packed_nbytes(n, bits), seed + 1, device)
+    expected = unpack_bits_reference(noisy.cpu(), bits, n)
+    assert torch.equal(unpack(noisy, bits, n).cpu(), expected), case
+
+
+# ---------------------------------------------------------------------------------------------
+# Bit-exactness against the reference
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+def test_edge_lengths_match_reference(bits: int, device: str) -> None:
+    for n in EDGE_LENGTHS:
+        check_matches_reference(n, bits, seed=n * 8 + bits, device=device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+def test_large_input_matches_reference(bits: int, device: str) -> None:
+    check_matches_reference(LARGE_LENGTH, bits, seed=bits, device=device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@settings(deadline=None, max_examples=300)
+@given(
+    n=st.one_of(st.sampled_from(EDGE_LENGTHS), st.integers(0, 5000)),
+    bits=st.sampled_from(SUPPORTED_BITS),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_random_lengths_match_reference(device: str, n: int, bits: int, seed: int) -> None:
+    check_matches_reference(n, bits, seed, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+def test_views_with_storage_offset(bits: int, device: str) -> None:
+    # A contiguous slice starts mid-storage: kernels must honour the data pointer's offset.
+    fields = random_fields(101, bits, seed=bits, device=device)[3:]
+    packed = pack(fields, bits)
+    assert torch.equal(packed.cpu(), pack_bits_reference(fields.cpu(), bits))
+    wider = torch.cat([torch.zeros(5, dtype=torch.uint8, device=device), packed])
+    assert torch.equal(unpack(wider[5:], bits, fields.numel()), fields)
+
+
+@needs_native_cpu
+def test_wrappers_use_native_kernel_and_map_errors() -> None:
+    assert ops.native_ops()["pack_bits"][0] == "cpu"
+    fields = torch.tensor([1, 0, 1, 1, 0, 0, 0, 1, 1], dtype=torch.uint8)
+    assert ops.pack_bits(fields, 1).tolist() == [0b10001101, 1]
+    with pytest.raises(CodecError, match=r"fields\[1\] = 5"):
+        ops.pack_bits(torch.tensor([0, 5], dtype=torch.uint8), 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library.opcheck: schema, fake kernels (registered by ops.load_native), AOT dispatch
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n, bits", [(0, 1), (1, 2), (33, 1), (100, 2), (257, 4), (64, 8)])
+def test_opcheck(n: int, bits: int, device: str) -> None:
+    fields = random_fields(n, bits, seed=n, device=device)
+    torch.library.opcheck(torch.ops.commpress.pack_bits.default, (fields, bits))
+    packed = pack(fields, bits)
+    torch.library.opcheck(torch.ops.commpress.unpack_bits.default, (packed, bits, n))
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input raises (TORCH_CHECK -> RuntimeError) with a message naming the argument
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_bits(device: str) -> None:
+    fields = torch.zeros(4, dtype=torch.uint8, device=device)
+    with pytest.raises(RuntimeError, match=r"pack_bits: bits must be one of 1, 2, 4, 8, got 3"):
+        pack(fields, 3)
+    with pytest.raises(RuntimeError, match=r"unpack_bits: bits must be one of 1, 2, 4, 8, got 3"):
+        unpack(fields, 3, 8)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_dtype(device: str) -> None:
+    with pytest.raises(RuntimeError, match=r"pack_bits: fields must have dtype uint8, got Float"):
+        pack(torch.zeros(4, device=device), 1)
+    with pytest.raises(RuntimeError, match=r"unpack_bits: packed must have dtype uint8, got Float"):
+        unpack(torch.zeros(1, device=device), 1, 8)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_rank_and_layout(device: str) -> None:
+    grid = torch.zeros(2, 4, dtype=torch.uint8, device=device)
+    with pytest.raises(RuntimeError, match=r"pack_bits: fields must be 1-D, got shape \[2, 4\]"):
+        pack(grid, 1)
+    with pytest.raises(RuntimeError, match=r"unpack_bits: packed must be 1-D"):
+        unpack(grid, 8, 8)
+    with pytest.raises(RuntimeError, match=r"pack_bits: fields must be contiguous"):
+        pack(torch.zeros(16, dtype=torch.uint8, device=device)[::2], 1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_field_out_of_range_reports_first_offender(device: str) -> None:
+    fields = torch.tensor([3, 0, 1, 2, 5, 7, 1], dtype=torch.uint8, device=device)
+    with pytest.raises(RuntimeError, match=r"pack_bits: fields\[4\] = 5 does not fit in bits=2"):
+        pack(fields, 2)
+    big = torch.zeros(LARGE_LENGTH, dtype=torch.uint8, device=device)
+    big[LARGE_LENGTH - 1] = 2  # in the partial last byte
+    big[300_000] = 9  # deep inside a parallel task; reported first
+    with pytest.raises(RuntimeError, match=r"fields\[300000\] = 9 does not fit in bits=1"):
+        pack(big, 1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_packed_length_and_n(device: str) -> None:
+    packed = torch.zeros(3, dtype=torch.uint8, device=device)
+    with pytest.raises(
+        RuntimeError, match=r"unpack_bits: packed holds 3 bytes, but n=13 fields of bits=2 need 4"
+    ):
+        unpack(packed, 2, 13)
+    with pytest.raises(RuntimeError, match=r"unpack_bits: n must be >= 0, got -1"):
+        unpack(packed, 2, -1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sources that must compile without torch: the CUDA kernels with plain nvcc, the shared
+# header as plain C++
+
+
+def _find_nvcc() -> str | None:
+    return shutil.which("nvcc") or next(
+        (p for p in ("/usr/local/cuda/bin/nvcc",) if os.access(p, os.X_OK)), None
+    )
+
+
+@pytest.mark.parametrize(
+    "source", sorted((ROOT / "csrc" / "cuda").glob("*.cu")), ids=lambda p: p.name
+)
+def test_cuda_sources_compile_with_plain_nvcc(source: Path, tmp_path: Path) -> None:
+    nvcc = _find_nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found on PATH or in /usr/local/cuda/bin")
+    cmd = [
+        nvcc, "-c", "-std=c++17",
+        "-gencode", "arch=compute_80,code=sm_80",
+        "-gencode", "arch=compute_90,code=sm_90",
+        "-I", str(ROOT / "csrc" / "include"),
+        str(source), "-o", str(tmp_path / f"{source.stem}.o"),
+    ]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr
+
+
+def test_shared_header_is_plain_cpp(tmp_path: Path) -> None:
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no C++ compiler on PATH")
+    probe = tmp_path / "probe.cpp"
+    probe.write_text(
+        '#include "commpress/bitpack.h"\n'
+        "int main() {\n"
+        "  const uint8_t fields[3] = {1, 0, 1};\n"
+        "  uint8_t seen = 0;\n"
+        "  return commpress::pack_fields<1>(fields, 3, seen) == 5 ? 0 : 1;\n"
+        "}\n"
+    )
+    exe = tmp_path / "probe"
+    cmd = [cxx, "-std=c++17", "-Wall", "-Wextra", "-Werror", "-I", str(ROOT / "csrc" / "include"),
+           str(probe), "-o", str(exe)]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert subprocess.run([str(exe)]).returncode == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Without the extension the package still works, through the reference
+
+
+def test_disabled_native_falls_back_to_reference() -> None:
+    code = (
+        "import torch, commpress.ops as o\n"
+        "x = torch.tensor([1, 0, 1, 1, 0, 0, 0, 1, 1], dtype=torch.uint8)\n"
+        "p = o.pack_bits(x, 1)\n"
+        "assert torch.equal(o.unpack_bits(p, 1, 9), x)\n"
+        "print(o.load_native()); print(o.has_native('pack_bits', 'cpu')); print(p.tolist())\n"
+    )
+    env = {**os.environ, "COMMPRESS_DISABLE_NATIVE": "1", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    reason, native, packed = result.stdout.splitlines()
+    assert "disabled" in reason
+    assert native == "False"
+    assert packed == "[141, 1]"
