@@ -1,0 +1,36 @@
+"""DDP communication hooks with compressed collectives.
+
+``state = commpress.ddp.register(ddp_model, "topk", ratio=0.01)`` registers the hook and
+returns its :class:`CompressionState` (statistics, checkpointing); equivalently::
+
+    state = commpress.ddp.CompressionState(ddp_model, "topk", ratio=0.01)
+    ddp_model.register_comm_hook(state, commpress.ddp.hook)
+
+See :class:`CompressionState` for the options and :mod:`commpress.collectives` for the
+algorithms, their ordering guarantee and the non-finite policy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..codecs import Codec
+from .hook import hook
+from .planning import ParamPlan, plan_parameters
+from .state import CompressionState
+
+__all__ = ["CompressionState", "ParamPlan", "hook", "plan_parameters", "register"]
+
+
+def register(ddp_model: Any, codec: str | Codec, **options: Any) -> CompressionState:
+    """Register the commpress hook on ``ddp_model`` and return its state.
+
+    ``codec`` is a name or a :class:`~commpress.codecs.Codec`; ``options`` are those of
+    :class:`CompressionState` plus, when ``codec`` is a name, the codec's parameters.
+    Must be called on every rank, before the first backward pass.
+    """
+    if not hasattr(ddp_model, "register_comm_hook"):
+        raise TypeError(f"register needs a DistributedDataParallel model, got {type(ddp_model).__name__}")
+    state = CompressionState(ddp_model, codec, **options)
+    ddp_model.register_comm_hook(state, hook)
+    return state

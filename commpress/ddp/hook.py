@@ -1,0 +1,50 @@
+"""The DDP communication hook: compress each bucket per parameter, reduce, decode in place."""
+
+# No ``from __future__ import annotations`` here: DDP inspects the hook's annotations and
+# compares them with the real objects (``dist.GradBucket``), not with strings.
+
+import torch
+import torch.distributed as dist
+
+from .. import collectives
+from .state import CompressionState
+
+
+def hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Reduce one DDP gradient bucket with commpress; register with ``register_comm_hook``.
+
+    Steps, for each bucket DDP hands over (in bucket-index order, the same on every rank):
+
+    1. map the bucket's parameters to their names and plans (cached per bucket layout, so
+       DDP's bucket rebuild after step 1 is harmless); with ``momentum``, replace each
+       gradient by its local velocity (momentum correction);
+    2. during warm-up (``state.step < state.warmup_steps``): a plain dense all-reduce;
+       otherwise derive each parameter's seed from ``(state.seed, step, parameter index)``;
+    3. run the codec's collective algorithm (:func:`commpress.collectives.run`): error
+       feedback and encoding happen here, on DDP's thread, and every collective is issued
+       from here in order; the returned future decodes the average into ``bucket.buffer()``;
+    4. after the last bucket, advance ``state.step``.
+
+    Example::
+
+        state = commpress.ddp.CompressionState(ddp_model, "sign", block_size=256)
+        ddp_model.register_comm_hook(state, commpress.ddp.hook)
+    """
+    buffer = bucket.buffer()
+    plan = state.bucket_plan(bucket.parameters(), buffer.numel())
+    if state.momentum:
+        state.apply_momentum(plan, buffer)
+    if state.dense_step():
+        fut = collectives.allreduce_mean(buffer, group=state.process_group, stats=state.counters)
+    else:
+        seeds = [state.param_seed(p) for p in plan.params]
+        slots = plan.slots(state.codec, seeds, state.feedback)
+        fut = collectives.run(
+            state.algorithm, buffer, slots, group=state.process_group,
+            server_feedback=state.server_feedback, stats=state.counters,
+        )
+        if state.momentum:
+            state.mask_momentum(plan)  # the residuals were updated by the encode above
+    if bucket.is_last():
+        state.step += 1
+    return fut
