@@ -8,6 +8,9 @@ native extension and never initialises CUDA; :func:`info` says which backends ar
 
 from __future__ import annotations
 
+import importlib
+from types import ModuleType
+
 from . import codecs, feedback, wire
 from .errors import CodecError, WireError
 from .feedback import ErrorFeedback
@@ -15,4 +18,17 @@ from .info import info
 from .packet import Packet
 
 __version__ = "0.1.0"
-__all__ = ["CodecError", "ErrorFeedback", "Packet", "WireError", "codecs", "feedback", "info", "wire"]
+__all__ = [
+    "CodecError", "ErrorFeedback", "Packet", "WireError", "codecs", "collectives", "ddp", "feedback",
+    "info", "ps", "wire",
+]
+
+# Loaded on first use: they import torch.distributed (and mpi4py for ps), which plain codec
+# users do not need.
+_LAZY = ("collectives", "ddp", "ps")
+
+
+def __getattr__(name: str) -> ModuleType:
+    if name in _LAZY:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

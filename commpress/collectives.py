@@ -365,18 +365,7 @@ class _Undo:
     def restore(self, slot_index: int) -> None:
         for i in self._by_slot.pop(slot_index, []):
             feedback, key, old = self._saved[i]
-            set_residual(feedback, key, old)
-
-
-def set_residual(feedback: ErrorFeedback, key: str, value: torch.Tensor | None) -> None:
-    """Put back a residual saved from ``feedback.residual(key)`` (None: forget the key)."""
-    setter = getattr(feedback, "set_residual", None)
-    if setter is not None:
-        setter(key, value)
-    elif value is None:
-        feedback.reset(key)
-    else:
-        feedback._residuals[key] = value  # no public setter in ErrorFeedback (yet)
+            feedback.set_residual(key, old)
 
 
 def _decode_add(codec: Codec, packet: Packet, acc: torch.Tensor) -> None:

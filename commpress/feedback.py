@@ -79,6 +79,17 @@ class ErrorFeedback:
         """The residual stored for ``key`` (None before its first step)."""
         return self._residuals.get(key)
 
+    def set_residual(self, key: str, value: torch.Tensor | None) -> None:
+        """Replace the residual of ``key`` (None forgets it); used to undo a voided step."""
+        if value is None:
+            self._residuals.pop(key, None)
+            return
+        if value.dtype not in (torch.float32, torch.float64):
+            raise CodecError(f"residual for {key!r} must be float32 or float64, got {value.dtype}")
+        if self.shapes is not None and value.shape != self.shapes.get(key):
+            raise CodecError(f"residual for {key!r} has shape {tuple(value.shape)}, declared {self.shapes.get(key)}")
+        self._residuals[key] = value
+
     def reset(self, key: str | None = None) -> None:
         """Forget the residual of ``key``, or of every key when ``key`` is None."""
         if key is None:

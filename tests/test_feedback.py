@@ -130,3 +130,16 @@ def test_load_state_dict_validates_everything():
         ef.load_state_dict({**good, "format": 99})
     # a failed load changed nothing
     assert torch.equal(ef.residual("w"), good["residuals"]["w"])
+
+
+def test_set_residual_replaces_and_forgets():
+    ef = ErrorFeedback(codecs.get("topk", k=1), shapes={"w": (3,)})
+    ef.compress("w", torch.tensor([1.0, -3.0, 2.0]))
+    ef.set_residual("w", torch.zeros(3))
+    assert ef.residual("w").tolist() == [0.0, 0.0, 0.0]
+    with pytest.raises(CodecError, match="shape"):
+        ef.set_residual("w", torch.zeros(4))
+    with pytest.raises(CodecError, match="float32"):
+        ef.set_residual("w", torch.zeros(3, dtype=torch.int32))
+    ef.set_residual("w", None)
+    assert ef.residual("w") is None
