@@ -1,10 +1,14 @@
-"""Command line: ``python -m commpress info [--json]`` (also installed as ``commpress``)."""
+"""Command line: ``python -m commpress {info,train,bench}`` (also installed as ``commpress``).
+
+Exit codes: 0 success, 2 usage error (argparse), 1 a run that failed (message on stderr).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from typing import Any
 
 from .info import format_info, info
 
@@ -15,10 +19,58 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p_info = sub.add_parser("info", help="show versions, native kernels and available backends")
     p_info.add_argument("--json", action="store_true", help="print the report as JSON")
+    p_train = sub.add_parser("train", help="demo: train a byte-level LM on local workers, dense vs commpress")
+    p_train.add_argument("--codec", default="topk", help="codec name (default topk)")
+    p_train.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                         help="codec parameter, repeatable (default for topk: ratio=0.01)")
+    p_train.add_argument("--workers", type=int, default=2, help="local worker processes (default 2)")
+    p_train.add_argument("--steps", type=int, default=150, help="training steps per run (default 150)")
+    p_train.add_argument("--batch", type=int, default=16, help="sequences per worker and step (default 16)")
+    p_train.add_argument("--out", default="out", help="folder for the plot (default ./out)")
+    p_train.add_argument("--no-baseline", action="store_true", help="skip the dense run")
     args = parser.parse_args(argv)
     if args.command == "info":
         report = info()
         print(json.dumps(report, indent=2) if args.json else format_info(report))
+        return 0
+    if args.command == "train":
+        return _train(parser, args)
+    return 0
+
+
+def _parse_params(parser: argparse.ArgumentParser, items: list[str]) -> dict[str, Any]:
+    params: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            parser.error(f"--param expects KEY=VALUE, got {item!r}")
+        try:
+            params[key] = json.loads(value.lower() if value.lower() in ("true", "false") else value)
+        except json.JSONDecodeError:
+            params[key] = value
+    return params
+
+
+def _train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from .codecs import get
+    from .errors import CodecError
+
+    params = _parse_params(parser, args.param)
+    if args.codec == "topk" and not params:
+        params = {"ratio": 0.01}
+    try:
+        get(args.codec, **params)  # validate before starting any process
+    except CodecError as exc:
+        parser.error(str(exc))
+    if args.workers < 1 or args.steps < 3 or args.batch < 1:
+        parser.error("--workers >= 1, --steps >= 3 and --batch >= 1 are required")
+    from .demo.train import train_demo
+
+    try:
+        train_demo(args.codec, params, args.workers, args.steps, args.batch, args.out, baseline=not args.no_baseline)
+    except Exception as exc:  # a worker died: say so on stderr, exit 1
+        print(f"commpress train: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

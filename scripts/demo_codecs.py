@@ -8,18 +8,16 @@ are the real wire sizes, headers included.
 
 import argparse
 import json
-import os
 import statistics
 import sys
-import sysconfig
 import time
 
 import torch
-from torch import nn
 from tqdm import tqdm
 
 import commpress
 from commpress import codecs, wire
+from commpress.demo.workloads import ByteLM, TextBatches, lm_loss
 
 CONFIGS = [
     ("none", {}),
@@ -36,45 +34,14 @@ CONFIGS = [
 ]
 
 
-def stdlib_text(limit: int) -> bytes:
-    """Deterministic real text: the standard library's .py sources, in sorted order."""
-    root = sysconfig.get_paths()["stdlib"]
-    out = bytearray()
-    for name in sorted(os.listdir(root)):
-        if name.endswith(".py"):
-            with open(os.path.join(root, name), "rb") as f:
-                out += f.read()
-            if len(out) >= limit:
-                break
-    return bytes(out[:limit])
-
-
-class ByteLM(nn.Module):
-    def __init__(self, dim: int, layers: int, context: int):
-        super().__init__()
-        self.embed = nn.Embedding(256, dim)
-        self.pos = nn.Parameter(torch.zeros(context, dim))
-        layer = nn.TransformerEncoderLayer(dim, nhead=4, dim_feedforward=4 * dim, batch_first=True, dropout=0.0)
-        self.blocks = nn.TransformerEncoder(layer, layers)
-        self.head = nn.Linear(dim, 256)
-        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(context), persistent=False)
-
-    def forward(self, x):
-        h = self.embed(x) + self.pos[: x.shape[1]]
-        return self.head(self.blocks(h, mask=self.mask[: x.shape[1], : x.shape[1]], is_causal=True))
-
-
 def real_gradients(steps: int, dim: int, layers: int, context: int, batch: int) -> tuple[dict, float]:
     torch.manual_seed(0)
-    data = torch.frombuffer(bytearray(stdlib_text(2_000_000)), dtype=torch.uint8).long()
+    text = TextBatches(context)
     model = ByteLM(dim, layers, context)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     loss = torch.tensor(0.0)
-    for _ in tqdm(range(steps), desc="training byte LM on stdlib text", unit="step", file=sys.stderr):
-        starts = torch.randint(0, data.numel() - context - 1, (batch,))
-        seq = torch.stack([data[s : s + context + 1] for s in starts.tolist()])
-        logits = model(seq[:, :-1])
-        loss = nn.functional.cross_entropy(logits.reshape(-1, 256), seq[:, 1:].reshape(-1))
+    for step in tqdm(range(steps), desc="training byte LM on stdlib text", unit="step", file=sys.stderr):
+        loss = lm_loss(model, *text.batch(step, 0, batch))
         opt.zero_grad()
         loss.backward()
         opt.step()
