@@ -36,6 +36,7 @@ class ByteLM(nn.Module):
         layer = nn.TransformerEncoderLayer(dim, nhead=4, dim_feedforward=4 * dim, batch_first=True, dropout=0.0)
         self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.head = nn.Linear(dim, 256)
+        self.mask: torch.Tensor
         self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(context), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
