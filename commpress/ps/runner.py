@@ -1,0 +1,334 @@
+"""``run()``: start a parameter-server run on an MPI communicator, from a :class:`Task`.
+
+Every rank calls :func:`run` with the same task and config. Ranks ``0 .. S-1`` serve, the
+rest train; at the end the servers send their shards to rank 0, which evaluates the final
+model. :func:`reference_train` is the single-process run the sync mode must reproduce.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import checkpoint
+from .config import PSConfig, codec_spec
+from .errors import ConfigError, ProtocolError, PSError
+from .faults import Fault, parse_fault
+from .protocol import (
+    HEADER_NBYTES,
+    MAX_STATS_NBYTES,
+    TO_ROOT,
+    MsgType,
+    build,
+    parse_header,
+    parse_segments,
+    payload_nbytes,
+    segment_parts,
+)
+from .server import NONE, EventLog, ShardServer, gather_stats, serve
+from .sharding import Layout, fingerprint
+from .worker import WorkerNode, WorkerOutcome, work
+
+EXIT_ABANDONED = 5  #: a dropped worker never exited, so rank 0 had to abort the job
+
+
+@dataclass
+class Task:
+    """What to train: plug in your own model, data, loss and optimizer.
+
+    Attributes:
+        model: builds the model; called on every rank after ``torch.manual_seed(seed)``, so
+            every rank builds the same initial parameters.
+        loss: ``loss(model, batch) -> scalar tensor`` (mean over the batch).
+        batch: ``batch(worker, workers, step) -> batch``: worker ``worker``'s batch at ``step``,
+            a pure function of its arguments (that makes runs reproducible and resumable).
+        optimizer: ``optimizer(params) -> torch.optim.Optimizer`` (runs on the servers, over
+            the pieces of their shard; element-wise optimizers such as SGD and Adam behave
+            exactly as on the whole model).
+        evaluate: optional ``evaluate(model) -> {metric: value}``, run on rank 0 at the end.
+        merge: optional ``merge([batch, ...]) -> batch`` joining worker batches, used by
+            :func:`reference_train` to train on their union.
+    """
+
+    model: Callable[[], torch.nn.Module]
+    loss: Callable[[torch.nn.Module, Any], torch.Tensor]
+    batch: Callable[[int, int, int], Any]
+    optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+    evaluate: Callable[[torch.nn.Module], dict[str, float]] | None = None
+    merge: Callable[[list[Any]], Any] | None = None
+
+
+@dataclass
+class RunResult:
+    """What :func:`run` returns on each rank.
+
+    ``params`` is the final flat parameter vector on rank 0 and on every worker that finished
+    (None elsewhere); ``metrics`` is ``task.evaluate``'s output on rank 0; ``stats`` holds the
+    totals over all servers on rank 0 (the server's own counters on other servers, the
+    worker's byte counts on workers).
+    """
+
+    role: str
+    rank: int
+    index: int
+    layout: Layout
+    params: torch.Tensor | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    stats: dict[str, Any] = field(default_factory=dict)
+    steps_done: int = 0
+    seconds: float = 0.0
+    stopped: str | None = None
+    abandoned: list[int] = field(default_factory=list)
+
+    def load_into(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Copy the final parameters into ``model`` (same architecture) and return it."""
+        if self.params is None:
+            raise PSError(f"rank {self.rank} holds no final parameters")
+        self.layout.load(model, self.params)
+        return model
+
+
+def _log(rank: int, text: str) -> None:
+    print(f"[commpress.ps rank {rank}] {text}", file=sys.stderr, flush=True)
+
+
+def run(
+    task: Task,
+    config: PSConfig | None = None,
+    comm: Any = None,
+    *,
+    abort_on_error: bool = True,
+) -> RunResult:
+    """Run a parameter-server training on ``comm`` (default ``MPI.COMM_WORLD``); call on every rank.
+
+    Fatal errors (a worker timing out in sync mode, a protocol breach by a server, a bad
+    configuration) are printed naming the rank and, with ``abort_on_error``, end the whole
+    job with ``comm.Abort(code)``: a rank that simply raised would leave the others waiting.
+    """
+    from mpi4py import MPI
+
+    cfg = config or PSConfig()
+    world = comm if comm is not None else MPI.COMM_WORLD
+    rank = world.Get_rank()
+    try:
+        cfg.validate()
+        comm_dup = world.Dup()
+        try:
+            return _run(task, cfg, comm_dup)
+        finally:
+            comm_dup.Free()
+    except Exception as exc:
+        if not abort_on_error:
+            raise
+        code = exc.exit_code if isinstance(exc, PSError) else 1
+        kind = "" if isinstance(exc, PSError) else f"{type(exc).__name__}: "
+        _log(rank, f"error: {kind}{exc}")
+        world.Abort(code)
+        raise  # not reached: Abort ends the process
+
+
+def _faults(cfg: PSConfig) -> list[Fault]:
+    return [f if isinstance(f, Fault) else parse_fault(str(f)) for f in cfg.faults]
+
+
+def _run(task: Task, cfg: PSConfig, comm: Any) -> RunResult:
+    size, rank = comm.Get_size(), comm.Get_rank()
+    S = cfg.servers
+    W = size - S
+    if W < 1:
+        raise ConfigError(f"{size} rank(s) for {S} server(s): start at least {S + 1} ranks (mpirun -n {S + 1} ...)")
+    torch.manual_seed(cfg.seed)
+    model = task.model()
+    layout = Layout.from_model(model, S, cfg.min_compress)
+    fp = fingerprint(layout.describe(), cfg.describe(), W)
+    meta = {"world": size, "servers": S, "workers": W, "mode": cfg.mode, "fingerprint": fp,
+            "codec": codec_spec(cfg.push_codec()), "pull_codec": codec_spec(cfg.reply_codec())}
+    ckpt_dir = cfg.checkpoint
+    resume_step: int | None = None
+    if ckpt_dir:
+        has_meta = os.path.exists(os.path.join(ckpt_dir, "meta.json"))
+        saved = checkpoint.steps_by_rank(ckpt_dir)
+        if cfg.resume:
+            if has_meta:
+                checkpoint.check_meta(ckpt_dir, meta)
+            if cfg.mode == "sync":
+                resume_step = checkpoint.latest_complete(ckpt_dir, size)
+                if resume_step is None and saved:
+                    raise ConfigError(f"{ckpt_dir} holds checkpoints, but no step that all {size} ranks saved")
+            else:
+                resume_step = checkpoint.latest_own(ckpt_dir, rank)
+            if rank == 0:
+                _log(rank, f"resuming from step {resume_step}" if resume_step is not None
+                     else f"no checkpoint in {ckpt_dir}: starting from step 0")
+        elif saved and rank == 0:  # rank 0 checks before it serves: no rank of this run saved yet
+            raise ConfigError(f"{ckpt_dir} already holds checkpoints: pass --resume (resume=True) or use an empty directory")
+        if rank == 0 and not has_meta:
+            checkpoint.write_meta(ckpt_dir, meta)
+
+    def save(step: int, state: dict[str, Any]) -> None:
+        assert ckpt_dir is not None
+        checkpoint.save(ckpt_dir, rank, step, state)
+
+    t0 = time.monotonic()
+    if rank < S:
+        return _serve(task, cfg, comm, layout, model, rank, W, fp, resume_step, save if ckpt_dir else None, t0)
+    return _work(task, cfg, comm, layout, model, rank - S, W, fp, resume_step, save if ckpt_dir else None, t0)
+
+
+def _serve(task: Task, cfg: PSConfig, comm: Any, layout: Layout, model: torch.nn.Module, s: int, W: int,
+           fp: int, resume_step: int | None, save: Callable[[int, dict[str, Any]], None] | None,
+           t0: float) -> RunResult:
+    flat = layout.flatten(p for _, p in model.named_parameters() if p.requires_grad)
+    shard = layout.shards[s]
+    log = EventLog(cfg.log_dir, s)
+    server = ShardServer(layout, s, cfg, W, flat[shard.start : shard.stop], task.optimizer,
+                         fingerprint=fp, log=log)
+    if resume_step is not None and cfg.checkpoint:
+        server.load_state_dict(checkpoint.load(cfg.checkpoint, comm.Get_rank(), resume_step))
+    bar = None
+    if s == 0 and cfg.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.steps, initial=server.progress(), desc=f"commpress.ps {cfg.mode}",
+                   unit="step", file=sys.stderr, mininterval=0.25, dynamic_ncols=True)
+    try:
+        abandoned = serve(comm, server, bar=bar, save=save)
+    finally:
+        if bar is not None:
+            bar.close()
+        log.close()
+    own = server.stats.as_dict()
+    result = RunResult("server", comm.Get_rank(), s, layout, stats=own, steps_done=server.progress(),
+                       seconds=time.monotonic() - t0, abandoned=abandoned)
+    # final shards and stats to rank 0
+    shard_msg = build(MsgType.SHARD, shard=s, worker=0, step=server.progress(),
+                      parts=segment_parts([NONE.encode(server.x[shard.local(seg)]) for seg in shard.segments]))
+    stats_msg = build(MsgType.STATS, shard=s, worker=0, step=server.progress(),
+                      parts=[json.dumps(own).encode()])
+    from .transport import TAG_FINAL, Inbox, Outbox
+
+    if s != 0:
+        out = Outbox(comm)
+        out.post(0, shard_msg, TAG_FINAL)
+        out.post(0, stats_msg, TAG_FINAL)
+        if not out.flush(time.monotonic() + 2 * cfg.timeout + 10):
+            raise PSError(f"server {s}: rank 0 did not take the final shard within {2 * cfg.timeout + 10:g} s")
+        return result
+    full = torch.empty(layout.numel, dtype=layout.dtype)
+    full[shard.start : shard.stop] = server.x
+    all_stats = [own]
+    limit = HEADER_NBYTES + max(MAX_STATS_NBYTES, *(payload_nbytes(sh, lambda seg: NONE, layout.dtype) for sh in layout.shards))
+    inbox = Inbox(comm, limit, TAG_FINAL)
+    waiting = {(r, k) for r in range(1, layout.servers) for k in (MsgType.SHARD, MsgType.STATS)}
+    deadline = time.monotonic() + 2 * cfg.timeout + 10
+    while waiting:
+        got = inbox.wait(sorted({r for r, _ in waiting}), deadline)
+        if got is None:
+            raise PSError(f"rank 0: servers {sorted({r for r, _ in waiting})} did not send their final shards")
+        src, buf = got
+        head = parse_header(buf, src, TO_ROOT)
+        if head.shard != src:
+            raise ProtocolError(f"final {head.type.name} for shard {head.shard}", src)
+        if head.type == MsgType.SHARD:
+            other = layout.shards[src]
+            packets = parse_segments(buf[HEADER_NBYTES:], other, lambda seg: NONE, layout.dtype, src)
+            for seg, p in zip(other.segments, packets):
+                NONE.decode(p, full[seg.start : seg.stop])
+        else:
+            all_stats.append(json.loads(buf[HEADER_NBYTES:].tobytes().decode()))
+        waiting.discard((src, head.type))
+    result.params = full
+    result.stats = gather_stats(all_stats)
+    result.stats["per_server"] = all_stats
+    result.abandoned = sorted(set(abandoned))
+    if task.evaluate is not None:
+        layout.load(model, full)
+        model.eval()
+        with torch.no_grad():
+            result.metrics = {k: float(v) for k, v in task.evaluate(model).items()}
+    return result
+
+
+def _work(task: Task, cfg: PSConfig, comm: Any, layout: Layout, model: torch.nn.Module, w: int, W: int,
+          fp: int, resume_step: int | None, save: Callable[[int, dict[str, Any]], None] | None,
+          t0: float) -> RunResult:
+    from .transport import cuda_aware
+
+    try:
+        device = torch.device(cfg.device)
+    except RuntimeError as exc:
+        raise ConfigError(f"device {cfg.device!r}: {exc}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"worker {w}: device {cfg.device!r} requested but CUDA is not available")
+    if device.type == "cuda":
+        torch.cuda.set_device(device.index if device.index is not None else w % max(torch.cuda.device_count(), 1))
+    model = model.to(device)
+    device_buffers = device.type == "cuda" and cuda_aware(cfg.cuda_aware)
+    node = WorkerNode(layout, w, cfg, model, fingerprint=fp, checksum=not device_buffers)
+    start = 0
+    if resume_step is not None and cfg.checkpoint:
+        node.load_state_dict(checkpoint.load(cfg.checkpoint, comm.Get_rank(), resume_step))
+        start = resume_step
+    outcome: WorkerOutcome = work(
+        comm, node, loss=task.loss, batch=task.batch, workers=W, start=start,
+        device_buffers=device_buffers, faults=_faults(cfg), save=save,
+    )
+    finished = outcome.stopped is None and not outcome.vanished
+    return RunResult(
+        "worker", comm.Get_rank(), w, layout,
+        params=node.flat.detach().cpu().clone() if finished else None,
+        stats={"push_bytes": node.push_bytes, "reply_bytes": node.reply_bytes,
+               "skipped_steps": node.skipped_steps, "device_buffers": device_buffers},
+        steps_done=outcome.steps_done, seconds=time.monotonic() - t0, stopped=outcome.stopped,
+    )
+
+
+def finish(result: RunResult, comm: Any = None) -> None:
+    """End the job when a dropped worker never exited (it would keep ``mpirun`` waiting).
+
+    Call after :func:`run` on every rank; on rank 0 with abandoned workers it prints their ranks
+    and aborts with :data:`EXIT_ABANDONED` (training itself completed).
+    """
+    if result.rank == 0 and result.abandoned:
+        from mpi4py import MPI
+
+        _log(0, f"dropped worker rank(s) {result.abandoned} never exited; aborting the job to release them "
+                f"(training completed; exit code {EXIT_ABANDONED})")
+        (comm or MPI.COMM_WORLD).Abort(EXIT_ABANDONED)
+
+
+def reference_train(task: Task, workers: int, steps: int, seed: int = 0) -> torch.Tensor:
+    """Single-process training on the union of the workers' batches; returns the flat parameters.
+
+    Uses ``task.merge`` to join batches when given, else averages the workers' losses (the
+    same thing for equal batch sizes). Sync mode with codec ``none`` reproduces this.
+    """
+    torch.manual_seed(seed)
+    model = task.model()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = task.optimizer(params)
+    for t in range(steps):
+        batches = [task.batch(w, workers, t) for w in range(workers)]
+        opt.zero_grad(set_to_none=True)
+        if task.merge is not None:
+            loss = task.loss(model, task.merge(batches))
+        else:
+            loss = sum((task.loss(model, b) for b in batches), torch.zeros(())) / workers
+        loss.backward()
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in params])
+
+
+def flat_of(model: torch.nn.Module) -> torch.Tensor:
+    """The trainable parameters of ``model`` as one flat tensor (layout order)."""
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters() if p.requires_grad])
+
+
+__all__ = ["EXIT_ABANDONED", "RunResult", "Task", "finish", "flat_of", "reference_train", "run"]

@@ -1,0 +1,662 @@
+"""A server: holds one shard, aggregates pushes, steps the optimizer, answers pulls.
+
+:class:`ShardServer` is the whole server logic without MPI: feed it a received message with
+:meth:`ShardServer.handle` and the current time, and it returns the messages to send. The MPI
+loop :func:`serve` only moves bytes, so the logic is tested serially (``tests/test_ps_server.py``).
+
+**Modes.** ``sync``: pushes of step t are kept per worker and summed in worker order once all
+arrived (bit-reproducible), averaged, one optimizer step, one broadcast reply. ``async``:
+each push is applied on arrival as an optimizer step on ``grad / W`` and answered at once.
+``ssp``: like async, but the reply that lets worker w start step ``c_w`` (its clock: pushes
+applied) is held until ``c_w - min_live(c) <= K``; every release is logged with its lead.
+
+**Replies and drift.** The server keeps a replica ``r`` of what each worker holds (one shared
+replica in sync mode, one per worker otherwise). A reply encodes ``v = x - r`` with the pull
+codec (error feedback on the server: what the codec dropped stays in ``x - r`` and goes out
+with the next reply), and both sides add ``decode(v)``, so worker and replica stay bit-equal.
+The drift ``||x - r||`` then obeys ``d' <= sqrt(1 - delta) (d + ||step||)`` for a codec with
+contraction ``delta``; whatever the codec, a reply that would leave ``d' > max_drift * ||x||``
+is replaced by the dense parameters (``d' = 0``), so the bound holds after every reply.
+
+**Liveness.** A worker the server is waiting for (sync: its push for the current step;
+async/ssp: any message once its reply went out) that stays silent for ``timeout`` seconds
+raises :class:`~commpress.ps.errors.WorkerTimeout` in sync mode, and is dropped in
+async/ssp mode (it no longer holds back ssp, and gets ``STOP`` if it comes back).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..codecs import Codec, NoneCodec
+from ..rng import SEED_MASK
+from .config import PSConfig
+from .errors import ConfigError, ProtocolError, PSError, WorkerTimeout
+from .protocol import (
+    FINGERPRINT_NBYTES,
+    HEADER_NBYTES,
+    TO_SERVER,
+    MsgType,
+    build,
+    decode_segments,
+    parse_header,
+    parse_segments,
+    payload_nbytes,
+    segment_parts,
+    text_payload,
+)
+from .sharding import Layout, Segment
+
+BROADCAST = 0xFFFFFFFF  #: ``worker`` field of a sync-mode reply that goes to every worker
+JOIN_GRACE = 60.0  #: extra seconds a worker gets for its first message (imports, data loading)
+NONE = NoneCodec()
+
+OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+def codec_seed(base: int, *parts: int) -> int:
+    """A 64-bit codec seed from the run seed and (kind, step, worker, shard, segment)."""
+    h = (base * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & SEED_MASK
+    for p in parts:
+        h ^= (p + 0x9E3779B97F4A7C15 + (h << 6) + (h >> 2)) & SEED_MASK
+        h = (h * 0xBF58476D1CE4E5B9) & SEED_MASK
+        h ^= h >> 31
+    return h
+
+
+PUSH_SEED, PULL_SEED = 1, 2
+
+
+@dataclass
+class Stats:
+    """Counters of one server (bytes include the 48-byte headers)."""
+
+    msgs_in: int = 0
+    bytes_in: int = 0
+    push_msgs: int = 0
+    push_bytes: int = 0
+    reply_msgs: int = 0
+    reply_bytes: int = 0
+    step_reply_msgs: int = 0
+    step_reply_bytes: int = 0
+    params_replies: int = 0
+    rejected: dict[int, int] = field(default_factory=dict)
+    skipped_pushes: int = 0
+    resyncs: int = 0
+    max_drift: float = 0.0
+    max_ahead: int = 0
+    dropped: list[int] = field(default_factory=list)
+    wall_seconds: float = 0.0
+    seconds: dict[str, float] = field(default_factory=lambda: {k: 0.0 for k in ("validate", "decode", "apply", "reply")})
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain-data copy (JSON-ready)."""
+        d = dict(self.__dict__)
+        d["rejected"] = {str(k): v for k, v in self.rejected.items()}
+        d["seconds"] = dict(self.seconds)
+        d["dropped"] = list(self.dropped)
+        return d
+
+
+class ShardServer:
+    """The state machine of the server of one shard (no MPI inside).
+
+    Args:
+        layout: the shared parameter layout.
+        shard: which shard this server holds.
+        config: the run's options.
+        workers: number of workers; worker ``w`` is MPI rank ``first_worker + w``.
+        initial: the shard's initial values (a flat tensor of ``layout.shards[shard].numel``).
+        optimizer: builds the optimizer from the shard's pieces (one tensor per parameter piece).
+        fingerprint: the configuration fingerprint every worker must present in its PULL.
+        now: clock (``time.monotonic``), replaceable in tests.
+        log: where event lines go (a callable taking a dict), or None.
+    """
+
+    def __init__(
+        self,
+        layout: Layout,
+        shard: int,
+        config: PSConfig,
+        workers: int,
+        initial: torch.Tensor,
+        optimizer: OptimizerFactory,
+        *,
+        first_worker: int | None = None,
+        fingerprint: int = 0,
+        now: Callable[[], float] = time.monotonic,
+        log: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        if workers < 1:
+            raise ConfigError("a parameter server needs at least one worker")
+        self.layout, self.cfg, self.W = layout, config, workers
+        self.shard = layout.shards[shard]
+        self.index = shard
+        self.first_worker = layout.servers if first_worker is None else first_worker
+        self.fingerprint = fingerprint
+        self.now = now
+        self.log = log
+        self.dtype = layout.dtype
+        self.push_codec = config.push_codec()
+        self.pull_codec = config.reply_codec()
+        if initial.numel() != self.shard.numel:
+            raise ConfigError(f"initial shard has {initial.numel()} elements, shard {shard} needs {self.shard.numel}")
+        self.x = initial.detach().to("cpu", self.dtype).clone().reshape(-1)
+        self.grad = torch.zeros_like(self.x)
+        params = []
+        for piece in self.shard.pieces:
+            p = torch.nn.Parameter(self.x[self.shard.local(piece)].view(piece.shape))
+            p.grad = self.grad[self.shard.local(piece)].view(piece.shape)
+            params.append(p)
+        self.params = params
+        self.optimizer = optimizer(params)
+        self.mode = config.mode
+        self.step = 0                      # sync: the step being collected
+        self.clock = [0] * workers         # pushes applied per worker
+        self.pending: dict[int, torch.Tensor | None] = {}
+        self.replica: dict[int, torch.Tensor] = {}  # key BROADCAST in sync mode
+        if self.mode == "sync":
+            self.replica[BROADCAST] = self.x.clone()
+        self.replies_since_resync: dict[int, int] = {}
+        self.held: set[int] = set()        # ssp: workers whose reply is held back
+        self.joined: set[int] = set()
+        self.done: set[int] = set()
+        self.dropped: dict[int, float] = {}
+        self.started = now()
+        self.last_heard = [self.started] * workers
+        self.last_loss: dict[int, float] = {}
+        self.stats = Stats()
+        self._push_size = payload_nbytes(self.shard, self._push_codec_for, self.dtype)
+        self._update_size = payload_nbytes(self.shard, self._pull_codec_for, self.dtype)
+        self._params_size = payload_nbytes(self.shard, lambda s: NONE, self.dtype)
+
+    # ----- helpers -------------------------------------------------------------------------
+    def _push_codec_for(self, seg: Segment) -> Codec:
+        return self.push_codec if seg.compress else NONE
+
+    def _pull_codec_for(self, seg: Segment) -> Codec:
+        return self.pull_codec if seg.compress else NONE
+
+    def rank_of(self, worker: int) -> int:
+        """MPI rank of ``worker``."""
+        return self.first_worker + worker
+
+    def max_message(self) -> int:
+        """Largest valid message a worker can send to this server (the receive limit)."""
+        return HEADER_NBYTES + max(self._push_size, FINGERPRINT_NBYTES)
+
+    def live(self) -> list[int]:
+        """Workers still training (not dropped, not finished)."""
+        return [w for w in range(self.W) if w not in self.dropped and w not in self.done]
+
+    def min_clock(self) -> int:
+        """Clock of the slowest live worker (``steps`` when none is left)."""
+        live = self.live()
+        return min(self.clock[w] for w in live) if live else self.cfg.steps
+
+    def finished(self) -> bool:
+        """Every worker said goodbye or was dropped."""
+        return all(w in self.done or w in self.dropped for w in range(self.W))
+
+    def progress(self) -> int:
+        """Steps completed by the slowest live worker (what rank 0's progress bar shows)."""
+        return self.step if self.mode == "sync" else self.min_clock()
+
+    def _event(self, **fields: Any) -> None:
+        if self.log is not None:
+            self.log({"t": round(self.now() - self.started, 6), "shard": self.index, **fields})
+
+    # ----- message handling ----------------------------------------------------------------
+    Out = list[tuple[int, torch.Tensor]]
+
+    def handle(self, sender: int, buf: np.ndarray) -> Out:
+        """Process one message from MPI rank ``sender``; return ``(dest rank, message)`` pairs.
+
+        Raises :class:`ProtocolError` for a message to reject (nothing changed) and other
+        :class:`PSError` subclasses for conditions that end the run.
+        """
+        self.stats.msgs_in += 1
+        self.stats.bytes_in += len(buf)
+        t0 = time.perf_counter()
+        worker = sender - self.first_worker
+        if not 0 <= worker < self.W:
+            raise ProtocolError(f"rank {sender} is not a worker (workers are ranks {self.first_worker}.."
+                                f"{self.first_worker + self.W - 1})", sender)
+        head = parse_header(buf, sender, TO_SERVER)
+        if head.worker != worker:
+            raise ProtocolError(f"worker: header says worker {head.worker}, the sender is worker {worker}", sender)
+        if head.shard != self.index:
+            raise ProtocolError(f"shard: message for shard {head.shard} reached the server of shard {self.index}", sender)
+        payload = buf[HEADER_NBYTES:]
+        self.stats.seconds["validate"] += time.perf_counter() - t0
+        if worker in self.dropped:
+            if head.type == MsgType.BYE:
+                self.done.add(worker)
+                return []
+            reason = f"worker {worker} (rank {sender}) was dropped after {self.cfg.timeout:g} s of silence"
+            return [(sender, self._stop(worker, reason))]
+        if worker in self.done:
+            raise ProtocolError(f"{head.type.name} after the worker said goodbye", sender)
+        if head.type == MsgType.PULL:
+            return self._on_pull(worker, head.step, payload, sender)
+        if head.type == MsgType.BYE:
+            return self._on_bye(worker, head.step, sender)
+        return self._on_push(worker, head.step, head.skip, head.value, payload, sender)
+
+    def _on_pull(self, worker: int, step: int, payload: np.ndarray, sender: int) -> Out:
+        if len(payload) != FINGERPRINT_NBYTES:
+            raise ProtocolError(f"PULL payload must be the {FINGERPRINT_NBYTES}-byte fingerprint, got {len(payload)} bytes", sender)
+        fp = int.from_bytes(payload.tobytes(), "little")
+        first = worker not in self.joined
+        current = self.step if self.mode == "sync" else self.clock[worker]
+        if not first:  # a worker already in the run: a bad PULL is rejected, not fatal
+            if fp != self.fingerprint:
+                raise ProtocolError(f"PULL fingerprint {fp:#018x} differs from the one this worker joined with", sender)
+            if step != current:
+                raise ProtocolError(f"step: PULL at step {step}, the worker is at step {current}", sender)
+        elif fp != self.fingerprint:
+            raise ConfigError(
+                f"worker rank {sender} runs a different model, shard layout or codec setup "
+                f"(fingerprint {fp:#018x}, server {self.index} has {self.fingerprint:#018x})"
+            )
+        elif self.mode == "sync" and step != self.step:
+            raise ConfigError(
+                f"worker rank {sender} starts at step {step} but server {self.index} is at step "
+                f"{self.step} (checkpoints from different steps?)"
+            )
+        self.last_heard[worker] = self.now()
+        self.joined.add(worker)
+        if self.mode == "sync":
+            if step < self.cfg.steps:  # start or resume: the workers' copy is the replica
+                return [(sender, self._params(worker, self.replica[BROADCAST], step, worker))]
+            return [(sender, self._params(worker, self.x, step, worker))]
+        self.clock[worker] = step  # async/ssp: a (re)joining worker brings its own step
+        self.replica[worker] = self.x.clone()
+        self.replies_since_resync[worker] = 0
+        return [(sender, self._params(worker, self.x, step, worker))]
+
+    def _on_bye(self, worker: int, step: int, sender: int) -> Out:
+        self.done.add(worker)
+        self.held.discard(worker)
+        self.replica.pop(worker, None)
+        if self.mode == "sync" and step < self.cfg.steps:
+            raise PSError(f"worker rank {sender} left at step {step} of {self.cfg.steps}; sync mode cannot continue without it")
+        self._event(event="bye", worker=worker, step=step)
+        return self._release() if self.mode == "ssp" else []
+
+    def _on_push(self, worker: int, step: int, skip: bool, value: float, payload: np.ndarray, sender: int) -> Out:
+        if worker not in self.joined:
+            raise ProtocolError("PUSH before the worker's first PULL", sender)
+        expect = self.step if self.mode == "sync" else self.clock[worker]
+        if self.mode == "sync" and worker in self.pending:
+            raise ProtocolError(f"step: duplicate push for step {step}", sender)
+        if step != expect:
+            raise ProtocolError(f"step: push for step {step}, expected step {expect}", sender)
+        if step >= self.cfg.steps:
+            raise ProtocolError(f"step: push for step {step}, the run has {self.cfg.steps} steps", sender)
+        t0 = time.perf_counter()
+        grad: torch.Tensor | None = None
+        if skip:
+            if len(payload):
+                raise ProtocolError("SKIP push with a payload", sender)
+        else:
+            packets = parse_segments(
+                payload, self.shard, self._push_codec_for, self.dtype, sender,
+                seed_check=lambda i, s: s == codec_seed(self.cfg.seed, PUSH_SEED, step, worker, self.index, i),
+            )
+            t1 = time.perf_counter()
+            self.stats.seconds["validate"] += t1 - t0
+            grad = decode_segments(packets, self.shard, self._push_codec_for, torch.empty_like(self.x), sender)
+            self.stats.seconds["decode"] += time.perf_counter() - t1
+        # accepted: from here on the message counts
+        self.last_heard[worker] = self.now()
+        self.stats.push_msgs += 1
+        self.stats.push_bytes += HEADER_NBYTES + len(payload)
+        if skip:
+            self.stats.skipped_pushes += 1
+        if value:
+            self.last_loss[worker] = value
+        if self.mode == "sync":
+            self.pending[worker] = grad
+            if len(self.pending) < self.W:
+                return []
+            return self._sync_step()
+        if grad is not None:
+            t0 = time.perf_counter()
+            self.grad.copy_(grad).div_(self.W)
+            self.optimizer.step()
+            self.stats.seconds["apply"] += time.perf_counter() - t0
+        self.clock[worker] += 1
+        if self.mode == "async":
+            self._log_reply(worker)
+            return [(sender, self._reply(worker, step))]
+        self.held.add(worker)
+        return self._release()
+
+    def _sync_step(self) -> Out:
+        t0 = time.perf_counter()
+        grads = [self.pending[w] for w in range(self.W)]
+        valid = [g for g in grads if g is not None]
+        if valid:
+            total = valid[0].clone()
+            for g in valid[1:]:
+                total.add_(g)
+            self.grad.copy_(total.div_(len(valid)))
+            self.optimizer.step()
+        self.stats.seconds["apply"] += time.perf_counter() - t0
+        step = self.step
+        self.pending.clear()
+        self.step += 1
+        self.clock = [self.step] * self.W
+        now = self.now()
+        self.last_heard = [now] * self.W  # the silence clock restarts when the reply goes out
+        self._event(event="reply", worker=-1, step=step, ahead=0, min_clock=self.step)
+        msg = self._reply(BROADCAST, step)
+        return [(self.rank_of(w), msg) for w in range(self.W)]
+
+    def _log_reply(self, worker: int) -> None:
+        lead = self.clock[worker] - self.min_clock()
+        self.stats.max_ahead = max(self.stats.max_ahead, lead)
+        self._event(event="reply", worker=worker, step=self.clock[worker] - 1, ahead=lead, min_clock=self.min_clock())
+
+    def _release(self) -> Out:
+        """ssp: send every held reply whose worker is now within the staleness bound."""
+        out: ShardServer.Out = []
+        floor = self.min_clock()
+        for w in sorted(self.held):
+            if self.clock[w] - floor <= self.cfg.staleness:
+                self.held.discard(w)
+                self.last_heard[w] = self.now()
+                self._log_reply(w)
+                out.append((self.rank_of(w), self._reply(w, self.clock[w] - 1)))
+        return out
+
+    # ----- replies -------------------------------------------------------------------------
+    def _params(self, key: int, values: torch.Tensor, step: int, worker: int, *, answer: bool = False) -> torch.Tensor:
+        packets = [NONE.encode(values[self.shard.local(seg)]) for seg in self.shard.segments]
+        msg = build(MsgType.PARAMS, shard=self.index, worker=worker, step=step, parts=segment_parts(packets))
+        self.stats.params_replies += 1
+        self._count_reply(msg, key, answer)
+        return msg
+
+    def _count_reply(self, msg: torch.Tensor, key: int, answer: bool) -> None:
+        """Count a reply; ``answer``: it answers a push (a training step), not a PULL."""
+        n = self.W if key == BROADCAST else 1
+        self.stats.reply_msgs += n
+        self.stats.reply_bytes += n * msg.numel()
+        if answer:
+            self.stats.step_reply_msgs += n
+            self.stats.step_reply_bytes += n * msg.numel()
+
+    def _reply(self, key: int, step: int) -> torch.Tensor:
+        """Answer a push: the compressed update ``x - replica``, or dense parameters."""
+        t0 = time.perf_counter()
+        replica = self.replica[key]
+        count = self.replies_since_resync.get(key, 0) + 1
+        resync = self.pull_codec.name == "none" or (self.cfg.resync_every and count >= self.cfg.resync_every)
+        msg = None
+        if not resync:
+            delta = self.x - replica
+            packets = [
+                self._pull_codec_for(seg).encode(delta[self.shard.local(seg)],
+                                                 seed=codec_seed(self.cfg.seed, PULL_SEED, step, key, self.index, i))
+                for i, seg in enumerate(self.shard.segments)
+            ]
+            decoded = torch.zeros_like(self.x)
+            for seg, p in zip(self.shard.segments, packets):
+                self._pull_codec_for(seg).decode(p, decoded[self.shard.local(seg)])
+            new = replica + decoded
+            drift = float(torch.linalg.vector_norm(self.x - new)) / max(float(torch.linalg.vector_norm(self.x)), 1e-30)
+            if drift <= self.cfg.max_drift and math.isfinite(drift):
+                replica.copy_(new)
+                self.stats.max_drift = max(self.stats.max_drift, drift)
+                self.replies_since_resync[key] = count
+                msg = build(MsgType.UPDATE, shard=self.index, worker=key, step=step, parts=segment_parts(packets))
+                self._count_reply(msg, key, True)
+            elif self.pull_codec.name != "none":
+                self.stats.resyncs += 1
+        if msg is None:
+            replica.copy_(self.x)
+            self.replies_since_resync[key] = 0
+            msg = self._params(key, self.x, step, key, answer=True)
+        self.stats.seconds["reply"] += time.perf_counter() - t0
+        return msg
+
+    def _stop(self, worker: int, reason: str) -> torch.Tensor:
+        return build(MsgType.STOP, shard=self.index, worker=worker, step=self.clock[worker], parts=[text_payload(reason)])
+
+    # ----- liveness ------------------------------------------------------------------------
+    def check(self) -> Out:
+        """Apply the timeout rules (see the module docstring); return STOPs and released replies."""
+        now = self.now()
+        out: ShardServer.Out = []
+        for w in self.live():
+            owed = w in self.held or (self.mode == "sync" and w in self.pending)
+            if owed:
+                continue
+            limit = self.cfg.timeout + (0.0 if w in self.joined else JOIN_GRACE)
+            silent = now - self.last_heard[w]
+            if silent <= limit:
+                continue
+            rank = self.rank_of(w)
+            what = f"step {self.step}" if self.mode == "sync" else f"step {self.clock[w]}"
+            if self.mode == "sync":
+                raise WorkerTimeout(
+                    f"worker rank {rank} (worker {w}) sent nothing for {silent:.1f} s (timeout "
+                    f"{self.cfg.timeout:g} s) while server {self.index} waited for {what}; stopping "
+                    "all ranks: sync mode cannot continue without it", rank,
+                )
+            self.dropped[w] = now
+            self.stats.dropped.append(rank)
+            self.held.discard(w)
+            self._event(event="drop", worker=w, step=self.clock[w], silent=round(silent, 3))
+            print(f"[commpress.ps server {self.index}] dropping worker rank {rank} (worker {w}): silent for "
+                  f"{silent:.1f} s at {what} (timeout {self.cfg.timeout:g} s); continuing without it",
+                  file=sys.stderr, flush=True)
+            out.append((rank, self._stop(w, f"dropped by server {self.index} after {silent:.1f} s of silence")))
+            if self.mode == "ssp":
+                out.extend(self._release())
+        return out
+
+    def abandoned(self, grace: float) -> list[int]:
+        """Dropped workers that have not said goodbye ``grace`` seconds after being dropped."""
+        now = self.now()
+        return [self.rank_of(w) for w, t in self.dropped.items() if w not in self.done and now - t > grace]
+
+    # ----- checkpoints ---------------------------------------------------------------------
+    def checkpoint_due(self) -> int | None:
+        """The step to save now, if a checkpoint boundary was just crossed (else None)."""
+        if not self.cfg.checkpoint:
+            return None
+        every = self.cfg.checkpoint_every
+        step = self.progress()
+        last = getattr(self, "_last_saved", None)
+        if step == last:
+            return None
+        if (every and step % every == 0 and step > 0) or step >= self.cfg.steps:
+            return step
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Shard values, replica, optimizer state and clocks (tensors and plain types)."""
+        state: dict[str, Any] = {
+            "role": "server",
+            "shard": self.index,
+            "fingerprint": self.fingerprint,
+            "step": self.step,
+            "clock": list(self.clock),
+            "x": self.x.clone(),
+            "optimizer": self.optimizer.state_dict(),
+        }
+        if self.mode == "sync":
+            state["replica"] = self.replica[BROADCAST].clone()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output (checked against this server's setup)."""
+        if state.get("role") != "server" or state.get("shard") != self.index:
+            raise ConfigError(f"checkpoint is not for server {self.index} (role {state.get('role')}, shard {state.get('shard')})")
+        if state.get("fingerprint") != self.fingerprint:
+            raise ConfigError("checkpoint fingerprint differs: another model, layout or codec setup")
+        x = state["x"]
+        if not isinstance(x, torch.Tensor) or x.shape != self.x.shape or x.dtype != self.dtype:
+            raise ConfigError(f"checkpoint shard has shape {getattr(x, 'shape', None)}, expected {tuple(self.x.shape)}")
+        self.x.copy_(x)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = int(state["step"])
+        self.clock = [int(c) for c in state["clock"]]
+        if self.mode == "sync":
+            self.replica[BROADCAST].copy_(state["replica"])
+        self._last_saved = self.progress()
+
+    def mark_saved(self, step: int) -> None:
+        """Remember that ``step`` was saved."""
+        self._last_saved = step
+
+
+# ----- the MPI loop ------------------------------------------------------------------------------
+class EventLog:
+    """JSON-lines event log of one server (``log_dir/server-<shard>.jsonl``)."""
+
+    def __init__(self, log_dir: str | None, shard: int) -> None:
+        self._f = None
+        if log_dir:
+            os.makedirs(log_dir, exist_ok=True)
+            self._f = open(os.path.join(log_dir, f"server-{shard}.jsonl"), "a")
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        """Write one event line."""
+        if self._f is not None:
+            self._f.write(json.dumps(event) + "\n")
+
+    def close(self) -> None:
+        """Flush and close the file."""
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+def serve(
+    comm: Any,
+    server: ShardServer,
+    *,
+    bar: Any = None,
+    save: Callable[[int, dict[str, Any]], None] | None = None,
+) -> list[int]:
+    """Run ``server`` on ``comm`` until every worker said goodbye or was dropped and abandoned.
+
+    A dropped worker gets ``2 * timeout + 5`` seconds to come back, be told to stop and say
+    goodbye; the ranks of those that never do are returned (they may hang: the caller ends
+    the job). ``bar`` is a tqdm-like progress bar (rank 0), ``save(step, state)`` writes a
+    checkpoint. Raises :class:`WorkerTimeout` and other fatal :class:`PSError`; rejected
+    messages are reported on stderr and counted. Liveness is checked at least every 50 ms,
+    also while messages keep arriving.
+    """
+    from .transport import Backoff, Inbox, Outbox
+
+    inbox = Inbox(comm, server.max_message())
+    outbox = Outbox(comm)
+    backoff = Backoff()
+    grace = 2 * server.cfg.timeout + 5.0
+    sec = server.stats.seconds
+    for key in ("recv", "send", "checkpoint"):
+        sec.setdefault(key, 0.0)
+    last_bar = last_check = 0.0
+    t_start = time.monotonic()
+    while True:
+        outbox.poll()
+        now = time.monotonic()
+        src = inbox.probe()
+        if src is None or now - last_check > 0.05:
+            last_check = now
+            for dest, msg in server.check():
+                outbox.post(dest, msg)
+            if all(w in server.done for w in range(server.W) if w not in server.dropped) and len(
+                server.abandoned(grace)
+            ) == sum(1 for w in server.dropped if w not in server.done):
+                break
+        if bar is not None and now - last_bar > 0.25:
+            last_bar = now
+            _update_bar(bar, server, now - t_start)
+        if src is None:
+            backoff.wait()
+            continue
+        backoff.reset()
+        t0 = time.perf_counter()
+        try:
+            buf = inbox.receive(src)
+            t1 = time.perf_counter()
+            sec["recv"] += t1 - t0
+            out = server.handle(src, buf)
+        except ProtocolError as exc:
+            _reject(server, exc)
+            continue
+        t2 = time.perf_counter()
+        for dest, msg in out:
+            outbox.post(dest, msg)
+        t3 = time.perf_counter()
+        sec["send"] += t3 - t2
+        step = server.checkpoint_due()
+        if step is not None and save is not None:
+            save(step, server.state_dict())
+            server.mark_saved(step)
+            sec["checkpoint"] += time.perf_counter() - t3
+    server.stats.wall_seconds = time.monotonic() - t_start
+    if bar is not None:
+        _update_bar(bar, server, time.monotonic() - t_start)
+    outbox.flush(time.monotonic() + 1.0)
+    outbox.cancel()
+    return server.abandoned(grace)
+
+
+def _reject(server: ShardServer, exc: ProtocolError) -> None:
+    rank = -1 if exc.sender is None else exc.sender
+    n = server.stats.rejected.get(rank, 0) + 1
+    server.stats.rejected[rank] = n
+    server._event(event="reject", rank=rank, reason=exc.reason)
+    if n <= 10 or n % 100 == 0:
+        print(f"[commpress.ps server {server.index}] rejected a message from rank {rank}: {exc.reason}"
+              + (" (further rejections from this rank are counted, printed every 100th)" if n == 10 else ""),
+              file=sys.stderr, flush=True)
+
+
+def _update_bar(bar: Any, server: ShardServer, elapsed: float) -> None:
+    done = server.progress()
+    if done > bar.n:
+        bar.update(done - bar.n)
+    s = server.stats
+    post = {
+        "live": len(server.live()),
+        "msg/s": f"{s.msgs_in / max(elapsed, 1e-9):.0f}",
+        "MB/s": f"{(s.bytes_in + s.reply_bytes) / max(elapsed, 1e-9) / 1e6:.1f}",
+    }
+    if server.last_loss:
+        post["loss"] = f"{sum(server.last_loss.values()) / len(server.last_loss):.4f}"
+    if s.rejected:
+        post["rejected"] = sum(s.rejected.values())
+    if s.dropped:
+        post["dropped"] = len(s.dropped)
+    bar.set_postfix(post, refresh=False)
+
+
+def gather_stats(stats: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Totals over servers (used by rank 0's summary)."""
+    total: dict[str, Any] = {"servers": len(stats)}
+    for key in ("msgs_in", "bytes_in", "push_msgs", "push_bytes", "reply_msgs", "reply_bytes", "step_reply_msgs",
+                "step_reply_bytes", "resyncs", "skipped_pushes", "params_replies"):
+        total[key] = sum(int(s[key]) for s in stats)
+    total["max_drift"] = max(float(s["max_drift"]) for s in stats)
+    total["max_ahead"] = max(int(s["max_ahead"]) for s in stats)
+    total["rejected"] = sum(sum(s["rejected"].values()) for s in stats)
+    total["dropped"] = sorted({r for s in stats for r in s["dropped"]})
+    return total

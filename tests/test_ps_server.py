@@ -1,0 +1,352 @@
+"""Serial tests of the server and worker logic, driven without MPI (messages passed by hand).
+
+These are the parameter server's semantics on one process: sync == single-process training,
+rejection of hostile messages without side effects, the drift bound, timeouts on a fake
+clock, the ssp bound, checkpoint round trips. tests/test_ps_mpi.py runs the same under mpirun.
+"""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from commpress.ps import ConfigError, Fault, ProtocolError, PSConfig, WorkerTimeout, reference_train
+from commpress.ps import checkpoint as ckpt
+from commpress.ps.demos import digits_task
+from commpress.ps.faults import before_push
+from commpress.ps.protocol import MsgType, build
+from commpress.ps.server import BROADCAST, ShardServer
+from commpress.ps.sharding import Layout, fingerprint
+from commpress.ps.worker import WorkerNode
+
+torch.set_num_threads(1)
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+class Cluster:
+    """S servers and W workers in one process; replies are queued per worker."""
+
+    def __init__(self, cfg, workers=2, task=None, clock=None):
+        self.task = task or digits_task(hidden=32, seed=cfg.seed)
+        self.cfg, self.W, self.S = cfg, workers, cfg.servers
+        self.clock = clock or Clock()
+        torch.manual_seed(cfg.seed)
+        model = self.task.model()
+        self.layout = Layout.from_model(model, self.S, 64)
+        self.fp = fingerprint(self.layout.describe(), cfg.describe(), workers)
+        flat = self.layout.flatten(model.parameters())
+        self.events = []
+        self.servers = [
+            ShardServer(self.layout, s, cfg, workers, flat[sh.start : sh.stop], self.task.optimizer,
+                        fingerprint=self.fp, now=self.clock, log=self.events.append)
+            for s, sh in enumerate(self.layout.shards)
+        ]
+        self.nodes = []
+        for w in range(workers):
+            torch.manual_seed(cfg.seed)
+            self.nodes.append(WorkerNode(self.layout, w, cfg, self.task.model(), fingerprint=self.fp))
+        self.queue = {w: [] for w in range(workers)}
+
+    def send(self, w, msgs):
+        for s, msg in msgs:
+            self.route(s, self.servers[s].handle(self.S + w, msg.numpy() if isinstance(msg, torch.Tensor) else msg))
+
+    def route(self, s, out):
+        for dest, reply in out:
+            self.queue[dest - self.S].append((s, reply))
+
+    def deliver(self, w, step):
+        stops = [self.nodes[w].apply(s, r.numpy(), step) for s, r in self.queue[w]]
+        self.queue[w].clear()
+        return stops
+
+    def start(self, step=0):
+        for w in range(self.W):
+            self.send(w, self.nodes[w].pull(step))
+            assert self.deliver(w, step) == [None] * self.S
+
+    def push(self, w, t):
+        node = self.nodes[w]
+        loss, grad = node.compute(self.task.loss, self.task.batch(w, self.W, t))
+        msgs = node.push(t, grad, loss)
+        self.send(w, msgs)
+        return msgs
+
+    def sync_step(self, t):
+        for w in range(self.W):
+            self.push(w, t)
+        for w in range(self.W):
+            assert len(self.queue[w]) == self.S
+            self.deliver(w, t)
+
+    def params(self):
+        return torch.cat([s.x for s in self.servers])
+
+
+def _cfg(**kw):
+    base = dict(servers=2, steps=12, seed=0, progress=False)
+    base.update(kw)
+    cfg = PSConfig(**base)
+    cfg.validate()
+    return cfg
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_sync_none_equals_single_process_training_on_the_union(optimizer):
+    cfg = _cfg(codec="none")
+    c = Cluster(cfg, workers=3, task=digits_task(hidden=32, optimizer=optimizer))
+    c.start()
+    for t in range(cfg.steps):
+        c.sync_step(t)
+    ref = reference_train(c.task, 3, cfg.steps, seed=cfg.seed)
+    torch.testing.assert_close(c.params(), ref, rtol=1e-5, atol=1e-6)
+    for node in c.nodes:  # pull codec none: workers hold the server's parameters exactly
+        assert torch.equal(node.flat, c.params())
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("codec", ["topk:ratio=0.1", "sign", "qsgd:bits=4", "fp16"])
+def test_worker_copy_equals_server_replica_bitwise(mode, codec):
+    cfg = _cfg(codec=codec, mode=mode, max_drift=0.05)
+    c = Cluster(cfg)
+    c.start()
+    for t in range(8):
+        c.sync_step(t)
+        for w, node in enumerate(c.nodes):
+            for s, sv in enumerate(c.servers):
+                sh = c.layout.shards[s]
+                key = BROADCAST if mode == "sync" else w
+                assert torch.equal(node.flat[sh.start : sh.stop], sv.replica[key])
+
+
+def test_drift_stays_within_max_drift_even_for_a_non_contractive_pull_codec():
+    cfg = _cfg(codec="topk:ratio=0.1", pull_codec="randomk:ratio=0.05", max_drift=0.002, steps=30)
+    c = Cluster(cfg)
+    c.start()
+    for t in range(cfg.steps):
+        c.sync_step(t)
+        for sv in c.servers:
+            x, r = sv.x, sv.replica[BROADCAST]
+            assert float(torch.linalg.vector_norm(x - r)) <= 0.002 * float(torch.linalg.vector_norm(x)) * (1 + 1e-6)
+    assert sum(sv.stats.resyncs for sv in c.servers) > 0
+
+
+def test_contractive_pull_codec_obeys_the_error_feedback_recursion():
+    # d' <= sqrt(1 - delta) * (d + ||step||) with delta = k/d for top-k; guard disabled.
+    cfg = _cfg(codec="none", pull_codec="topk:ratio=0.1", max_drift=float("inf"), min_compress=1, steps=25)
+    c = Cluster(cfg)
+    c.start()
+    sv = c.servers[0]
+    seg = [s for s in c.layout.shards[0].segments if s.compress]
+    assert seg
+    delta = min(c.servers[0].pull_codec.delta(s.numel) for s in seg)  # dense segments: delta = 1
+    d_prev, x_prev = 0.0, sv.x.clone()
+    for t in range(cfg.steps):
+        c.sync_step(t)
+        d = float(torch.linalg.vector_norm(sv.x - sv.replica[BROADCAST]))
+        step = float(torch.linalg.vector_norm(sv.x - x_prev))
+        assert d <= math.sqrt(1 - delta) * (d_prev + step) + 1e-6  # per segment, summed by Minkowski
+        d_prev, x_prev = d, sv.x.clone()
+    assert sv.stats.resyncs == 0 and d_prev > 0
+
+
+@pytest.mark.parametrize("kind", ["corrupt", "truncate", "wrongshard", "spoof", "badwire", "garbage", "oversize"])
+def test_hostile_messages_are_rejected_without_side_effects(kind):
+    cfg = _cfg(codec="topk:ratio=0.1")
+    c = Cluster(cfg)
+    c.start()
+    c.sync_step(0)
+    before = [(sv.x.clone(), dict(sv.pending), list(sv.clock), sv.step) for sv in c.servers]
+    node = c.nodes[0]
+    loss, grad = node.compute(c.task.loss, c.task.batch(0, 2, 1))
+    honest = node.push(1, grad, loss)
+    sent = []
+    before_push(Fault(kind, 0), 1, honest, lambda dest, buf: sent.append((dest, buf)))
+    assert sent
+    for dest, buf in sent:
+        if kind == "oversize":
+            assert len(buf) > c.servers[dest].max_message()  # the transport refuses it (test_ps_transport)
+            continue
+        with pytest.raises(ProtocolError) as info:
+            c.servers[dest].handle(c.S + 0, buf)
+        assert info.value.sender == c.S
+    for sv, (x, pending, clock, step) in zip(c.servers, before):
+        assert torch.equal(sv.x, x) and sv.pending == pending and sv.clock == clock and sv.step == step
+    # the honest messages still go through and training continues identically
+    c.send(0, honest)
+    c.push(1, 1)
+    c.deliver(0, 1)
+    c.deliver(1, 1)
+    assert all(sv.step == 2 for sv in c.servers)
+
+
+def test_protocol_breaches_by_a_worker_are_rejected():
+    cfg = _cfg(codec="none")
+    c = Cluster(cfg)
+    sv = c.servers[0]
+    early = build(MsgType.PUSH, shard=0, worker=0, step=0).numpy()
+    with pytest.raises(ProtocolError, match="before the worker's first PULL"):
+        sv.handle(c.S, early)
+    with pytest.raises(ProtocolError, match="not a worker"):
+        sv.handle(1, early)
+    c.start()
+    msgs = c.push(0, 0)
+    with pytest.raises(ProtocolError, match="duplicate"):
+        c.send(0, msgs[:1])
+    loss, grad = c.nodes[1].compute(c.task.loss, c.task.batch(1, 2, 0))
+    with pytest.raises(ProtocolError, match="expected step 0"):
+        c.send(1, c.nodes[1].push(5, grad, loss)[:1])
+    bad_fp = build(MsgType.PULL, shard=0, worker=1, step=0, parts=[b"\0" * 8]).numpy()
+    with pytest.raises(ProtocolError, match="fingerprint"):  # a joined worker: rejected
+        sv.handle(c.S + 1, bad_fp)
+    with pytest.raises(ProtocolError, match="PULL at step 3"):
+        sv.handle(c.S + 1, build(MsgType.PULL, shard=0, worker=1, step=3, parts=[c.fp.to_bytes(8, "little")]).numpy())
+    fresh = Cluster(cfg)  # a worker joining with another setup: the run cannot work, fatal
+    with pytest.raises(ConfigError, match="different model"):
+        fresh.servers[0].handle(fresh.S + 1, bad_fp)
+    late = build(MsgType.PULL, shard=0, worker=1, step=4, parts=[fresh.fp.to_bytes(8, "little")]).numpy()
+    with pytest.raises(ConfigError, match="starts at step 4"):
+        fresh.servers[0].handle(fresh.S + 1, late)
+
+
+def test_non_finite_gradient_is_skipped_and_averaged_out():
+    cfg = _cfg(codec="topk:ratio=0.1", servers=1)
+    c = Cluster(cfg)
+    c.start()
+    node = c.nodes[0]
+    _, grad = node.compute(c.task.loss, c.task.batch(0, 2, 0))
+    grad[3] = float("nan")
+    residuals = {k: node.ef.residual(k) for k in node.ef.keys()}
+    c.send(0, node.push(0, grad, 0.0))
+    assert node.ef.nonfinite_steps == 0 and {k: node.ef.residual(k) for k in node.ef.keys()} == residuals
+    c.push(1, 0)
+    c.deliver(0, 0)
+    c.deliver(1, 0)
+    assert c.servers[0].stats.skipped_pushes == 1 and c.servers[0].step == 1
+    assert torch.isfinite(c.params()).all()
+
+
+def test_sync_timeout_names_the_silent_worker():
+    cfg = _cfg(timeout=5.0)
+    c = Cluster(cfg)
+    c.start()
+    c.push(0, 0)
+    c.clock.t += 4.0
+    assert c.servers[0].check() == []
+    c.clock.t += 2.0
+    with pytest.raises(WorkerTimeout, match=f"worker rank {c.S + 1} .*sync mode") as info:
+        c.servers[0].check()
+    assert info.value.rank == c.S + 1
+
+
+def test_silence_clock_restarts_when_a_step_completes():
+    cfg = _cfg(timeout=5.0)
+    c = Cluster(cfg)
+    c.start()
+    c.push(0, 0)
+    c.clock.t += 4.5  # worker 0 waits for worker 1 for a long time...
+    c.push(1, 0)
+    c.deliver(0, 0)
+    c.deliver(1, 0)
+    c.clock.t += 4.5  # ...then both get 4.5 s for the next step: nobody is late
+    assert c.servers[0].check() == []
+
+
+def test_async_drops_a_silent_worker_and_keeps_going():
+    cfg = _cfg(mode="async", timeout=5.0, servers=1)
+    c = Cluster(cfg)
+    c.start()
+    for t in range(3):
+        c.push(0, t)
+        c.push(1, t)
+        c.deliver(0, t)
+        c.deliver(1, t)
+    c.clock.t += 6.0
+    c.push(0, 3)
+    c.deliver(0, 3)
+    out = c.servers[0].check()
+    assert [d for d, _ in out] == [c.S + 1]  # STOP to the dropped worker
+    c.route(0, out)
+    assert c.servers[0].dropped and c.servers[0].stats.dropped == [c.S + 1]
+    assert c.deliver(1, 3)[0].startswith("dropped")
+    c.push(0, 4)  # the others are not held back
+    c.deliver(0, 4)
+    c.push(1, 3)  # the dropped worker comes back: told to stop, nothing applied
+    assert c.deliver(1, 3)[0].startswith("worker 1")
+    c.send(1, c.nodes[1].bye(3))
+    assert 1 in c.servers[0].done
+
+
+def test_ssp_never_lets_a_worker_lead_by_more_than_k():
+    K = 1
+    cfg = _cfg(mode="ssp", staleness=K, servers=1, steps=10)
+    c = Cluster(cfg, workers=3)
+    c.start()
+    sv = c.servers[0]
+    next_step = [0, 0, 0]
+    rng = np.random.default_rng(0)
+    for _ in range(40):  # random arrival order; a worker only pushes once its reply arrived
+        ready = [w for w in range(3) if next_step[w] < cfg.steps and w not in sv.held]
+        if not ready:
+            break
+        w = int(rng.choice(ready, p=None if len(ready) < 3 else [0.6, 0.3, 0.1]))
+        c.push(w, next_step[w])
+        for v in range(3):
+            if c.queue[v]:
+                c.deliver(v, next_step[v])
+                next_step[v] += 1
+    leads = [e["ahead"] for e in c.events if e["event"] == "reply"]
+    assert leads and max(leads) <= K and sv.stats.max_ahead <= K
+    assert max(leads) == K  # the bound was reached, so it was actually enforced
+
+
+def test_server_state_roundtrip_continues_identically(tmp_path):
+    cfg = _cfg(codec="topk:ratio=0.1", pull_codec="sign", max_drift=0.05)
+    a = Cluster(cfg)
+    a.start()
+    for t in range(4):
+        a.sync_step(t)
+    for s, sv in enumerate(a.servers):
+        ckpt.save(str(tmp_path), s, 4, sv.state_dict())
+    for w, node in enumerate(a.nodes):
+        ckpt.save(str(tmp_path), a.S + w, 4, node.state_dict())
+    assert ckpt.latest_complete(str(tmp_path), a.S + a.W) == 4
+    for t in range(4, 8):
+        a.sync_step(t)
+    b = Cluster(cfg)
+    for s, sv in enumerate(b.servers):
+        sv.load_state_dict(ckpt.load(str(tmp_path), s, 4))
+    for w, node in enumerate(b.nodes):
+        node.load_state_dict(ckpt.load(str(tmp_path), b.S + w, 4))
+    b.start(4)
+    for t in range(4, 8):
+        b.sync_step(t)
+    assert torch.equal(a.params(), b.params())
+    for na, nb in zip(a.nodes, b.nodes):
+        assert torch.equal(na.flat, nb.flat)
+
+
+def test_checkpoint_files(tmp_path):
+    d = str(tmp_path)
+    for step in (2, 4, 6):
+        ckpt.save(d, 0, step, {"x": torch.ones(3)})
+    assert ckpt.steps_by_rank(d) == {0: [4, 6]}  # two newest kept
+    ckpt.save(d, 1, 4, {"x": torch.ones(3)})
+    assert ckpt.latest_complete(d, 2) == 4 and ckpt.latest_complete(d, 3) is None
+    assert torch.equal(ckpt.load(d, 0, 6)["x"], torch.ones(3))
+    ckpt.write_meta(d, {"world": 3, "fingerprint": 7})
+    ckpt.check_meta(d, {"world": 3, "fingerprint": 7})
+    with pytest.raises(ConfigError, match="fingerprint"):
+        ckpt.check_meta(d, {"world": 3, "fingerprint": 8})
+    with open(ckpt.path_for(d, 2, 1), "wb") as f:
+        f.write(b"not a checkpoint")
+    with pytest.raises(ConfigError, match="cannot read"):
+        ckpt.load(d, 2, 1)
