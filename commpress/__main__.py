@@ -1,4 +1,4 @@
-"""Command line: ``python -m commpress {info,train,bench}`` (also installed as ``commpress``).
+"""Command line: ``python -m commpress {info,train,ps}`` (also installed as ``commpress``).
 
 Exit codes: 0 success, 2 usage error (argparse), 1 a run that failed (message on stderr).
 """
@@ -28,7 +28,14 @@ def main(argv: list[str] | None = None) -> int:
     p_train.add_argument("--batch", type=int, default=16, help="sequences per worker and step (default 16)")
     p_train.add_argument("--out", default="out", help="folder for the plot (default ./out)")
     p_train.add_argument("--no-baseline", action="store_true", help="skip the dense run")
-    args = parser.parse_args(argv)
+    sub.add_parser("ps", add_help=False, help="parameter-server training under mpirun (python -m commpress.ps --help)")
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "ps":
+        from .ps.__main__ import main as ps_main
+
+        return ps_main(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "info":
         report = info()
         print(json.dumps(report, indent=2) if args.json else format_info(report))

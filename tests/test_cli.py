@@ -28,3 +28,10 @@ def test_help_everywhere():
     for args in (["--help"], ["info", "--help"], ["train", "--help"]):
         proc = run(*args)
         assert proc.returncode == 0 and "usage:" in proc.stdout
+
+
+def test_ps_subcommand_forwards_to_the_parameter_server_cli():
+    proc = run("ps", "--help")
+    assert proc.returncode == 0 and "python -m commpress.ps" in proc.stdout
+    proc = run("info", "--bogus")
+    assert proc.returncode == 2 and "unrecognized arguments" in proc.stderr
