@@ -60,7 +60,8 @@ def launch(net: ShapedNetwork, world: int, workload: str, steps: int, eval_every
     for r in range(world):
         argv = [sys.executable, "-m", "commpress.demo.runner", "--rank", str(r), "--world", str(world),
                 "--master", net.addr(0), "--port", str(port), "--workload", workload, "--steps", str(steps),
-                "--eval-every", str(eval_every), "--methods", ";".join(methods), "--out", out]
+                "--eval-every", str(eval_every), "--methods", ";".join(methods), "--out", out,
+                "--timeout", str(min(timeout, 300))]
         procs.append(subprocess.Popen(net.command(r, argv), env=env))
     deadline = time.monotonic() + timeout
     try:

@@ -5,7 +5,9 @@ bridge by a veth pair whose both ends are rate-limited with ``tc ... tbf`` (so a
 is shaped in both directions, like a NIC on a switch port), optionally with a netem delay.
 Hosts get addresses 198.18.0.1, 198.18.0.2, ... (198.18.0.0/15 is reserved for benchmarks,
 RFC 2544) on an interface named ``eth0``. Everything is torn down on exit, on an exception,
-and on SIGINT/SIGTERM; stale namespaces of an earlier crashed run are removed first.
+and on SIGINT/SIGTERM. Names carry the creating process id, so concurrent runs (a benchmark
+next to the test suite) never touch each other; namespaces whose creator has died are removed
+before a new network is built.
 
 Without root (or without ``ip``), :class:`ShapedNetwork` says so and falls back to loopback:
 every host is 127.0.0.1 and nothing is shaped.
@@ -55,18 +57,19 @@ class ShapedNetwork:
         self.delay_ms = delay_ms
         self.shaped, self.why_not = can_shape()
         self.quiet = quiet
+        self.tag = str(os.getpid())
         self._made: list[str] = []
         self._old_handlers: dict[int, object] = {}
 
     # --- naming ---------------------------------------------------------------------------
     def ns(self, rank: int) -> str:
         """Namespace of host ``rank``."""
-        return f"{PREFIX}-h{rank}"
+        return f"{PREFIX}-{self.tag}-h{rank}"
 
     @property
     def switch(self) -> str:
         """Namespace holding the bridge."""
-        return f"{PREFIX}-sw"
+        return f"{PREFIX}-{self.tag}-sw"
 
     def addr(self, rank: int) -> str:
         """IPv4 address of host ``rank`` (127.0.0.1 on the loopback fallback)."""
@@ -117,9 +120,10 @@ class ShapedNetwork:
             ns, port = self.ns(rank), f"p{rank}"
             _run(["ip", "netns", "add", ns])
             self._made.append(ns)
-            _run(["ip", "link", "add", f"{PREFIX}{rank}a", "type", "veth", "peer", "name", f"{PREFIX}{rank}b"])
-            _run(["ip", "link", "set", f"{PREFIX}{rank}a", "netns", ns, "name", "eth0"])
-            _run(["ip", "link", "set", f"{PREFIX}{rank}b", "netns", self.switch, "name", port])
+            a, b = f"cv{self.tag}{rank}a", f"cv{self.tag}{rank}b"  # <= 15 chars, renamed below
+            _run(["ip", "link", "add", a, "type", "veth", "peer", "name", b])
+            _run(["ip", "link", "set", a, "netns", ns, "name", "eth0"])
+            _run(["ip", "link", "set", b, "netns", self.switch, "name", port])
             _run(["ip", "-n", self.switch, "link", "set", port, "master", "br0", "up"])
             _run(["ip", "-n", ns, "addr", "add", f"{self.addr(rank)}/24", "dev", "eth0"])
             _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
@@ -152,11 +156,22 @@ class ShapedNetwork:
 
 
 def cleanup_stale() -> None:
-    """Remove namespaces left by a run that was killed before it could clean up."""
+    """Remove namespaces left by runs whose process died before it could clean up."""
     for line in _run(["ip", "netns", "list"], check=False).stdout.splitlines():
         name = line.split()[0] if line.strip() else ""
-        if name.startswith(f"{PREFIX}-"):
+        parts = name.split("-")
+        if len(parts) == 3 and parts[0] == PREFIX and parts[1].isdigit() and not _alive(int(parts[1])):
             _run(["ip", "netns", "del", name], check=False)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _self_test(rate: str, megabytes: int) -> int:

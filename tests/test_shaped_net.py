@@ -22,8 +22,9 @@ SINK = (
 
 
 def namespaces():
+    """This process's namespaces (other runs on the machine may have their own)."""
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return [line.split()[0] for line in out.splitlines() if line.startswith(shaped_net.PREFIX + "-")]
+    return [line.split()[0] for line in out.splitlines() if line.startswith(f"{shaped_net.PREFIX}-{os.getpid()}-")]
 
 
 @needs_root
@@ -53,6 +54,15 @@ def test_torn_down_on_exception():
         with shaped_net.ShapedNetwork(2, "1gbit"):
             raise RuntimeError("boom")
     assert namespaces() == []
+
+
+@needs_root
+def test_stale_namespaces_of_dead_processes_are_removed_others_kept():
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    subprocess.run(["ip", "netns", "add", f"{shaped_net.PREFIX}-{dead}-h0"], check=True)
+    with shaped_net.ShapedNetwork(1, None) as net:
+        out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert f"{shaped_net.PREFIX}-{dead}-h0" not in out and net.ns(0) in out
 
 
 def test_loopback_fallback(monkeypatch, capsys):

@@ -202,10 +202,11 @@ def main() -> int:
     ap.add_argument("--eval-every", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", help="rank 0 writes the results here (JSON)")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds a collective may wait before failing")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=f"tcp://{args.master}:{args.port}", rank=args.rank,
-                            world_size=args.world, timeout=datetime.timedelta(seconds=600))
+                            world_size=args.world, timeout=datetime.timedelta(seconds=args.timeout))
     work = Workload(args.workload, args.rank, args.batch)
     results = []
     for method in args.methods.split(";"):
