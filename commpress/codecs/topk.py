@@ -2,19 +2,28 @@
 
 Properties: deterministic, biased, contractive with ``delta = k / d``:
 ``||C(x) - x||^2 <= (1 - k/d) ||x||^2`` because the dropped d - k entries are the smallest.
-Indices are sent sorted ascending (one canonical byte form per input); ties in magnitude are
-broken by the selection kernel, deterministically for one backend.
+Indices are sent sorted ascending (one canonical byte form per input); ties in magnitude at
+the k-th largest are broken toward the lower index, so the selection is a pure function of the
+input, identical on every backend.
+
+Kernels: :func:`select_reference` (``torch.topk`` for the k-th magnitude, then the tie rule)
+and :func:`scatter_add_reference` are the specification; ``commpress.ops.topk_select`` runs the
+native sampled-threshold selection (CPU) or radix selection (CUDA), exact and bit-identical, and
+``commpress.ops.sparse_scatter_add`` adds many (indices, values) payloads into one dense output
+(the gather side of a sparse collective), bounds- and duplicate-checked.
 Wire: ``indices`` (int32, or int64 past 2**31 - 1 elements) then ``values`` (input dtype);
 ``param0 = k``. Cost: k * (4 + itemsize) bytes plus the 56-byte header.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from ..errors import WireError
+from .. import ops
+from ..errors import CodecError, WireError
 from ..packet import Packet, Section
 from .base import (
     Codec,
@@ -80,11 +89,62 @@ class TopKCodec(Codec):
         check_finite_section(packet, "values")
 
     def _encode(self, flat: torch.Tensor, params: tuple[int, int], seed: int) -> dict[str, torch.Tensor]:
-        require_finite(flat)
-        k = params[0]
-        idx = torch.topk(flat.abs(), k, sorted=False).indices if k else flat.new_empty(0, dtype=torch.long)
-        idx = torch.sort(idx).values
-        return {"indices": idx.to(index_dtype(flat.numel())), "values": flat[idx]}
+        indices, values = ops.topk_select(flat, params[0])
+        return {"indices": indices, "values": values}
 
     def _decode_add(self, packet: Packet, out: torch.Tensor) -> None:
-        out.index_add_(0, packet.sections["indices"].long(), packet.sections["values"])
+        ops.sparse_scatter_add([packet.sections["indices"]], [packet.sections["values"]], out)
+
+
+def select_reference(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The specification of ``commpress::topk_select``: ``(indices, values)`` of the k largest |x|.
+
+    Exact: every element above the k-th largest magnitude, then the lowest-index elements equal
+    to it; indices ascending (int32, or int64 past 2**31 - 1 elements), values copied from x.
+    """
+    require_finite(x)
+    numel = x.numel()
+    if not 0 <= k <= numel:
+        raise CodecError(f"topk_select: k must be in [0, numel={numel}], got {k}")
+    if k == 0:
+        return torch.empty(0, dtype=index_dtype(numel), device=x.device), x[:0].clone()
+    mags = x.abs()
+    kth = torch.topk(mags, k, sorted=False).values.min()
+    above = (mags > kth).nonzero().view(-1)
+    equal = (mags == kth).nonzero().view(-1)[: k - above.numel()]
+    idx = torch.sort(torch.cat([above, equal])).values
+    return idx.to(index_dtype(numel)), x[idx]
+
+
+def check_payloads(indices: Sequence[torch.Tensor], values: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+    """Raise :class:`CodecError` unless every payload can be scattered into ``out``.
+
+    Index tensors: 1-D int32/int64, strictly increasing (so no duplicates), in ``[0, numel)``;
+    value tensors: 1-D, ``out``'s dtype and device, one per index.
+    """
+    if len(indices) != len(values):
+        raise CodecError(f"sparse_scatter_add: got {len(indices)} index tensors but {len(values)} value tensors")
+    numel = out.numel()
+    for p, (idx, val) in enumerate(zip(indices, values)):
+        if idx.dim() != 1 or idx.dtype not in (torch.int32, torch.int64):
+            raise CodecError(f"sparse_scatter_add: indices[{p}] must be a 1-D int32/int64 tensor, got {idx.dtype} {tuple(idx.shape)}")
+        if val.dim() != 1 or val.dtype != out.dtype or val.numel() != idx.numel():
+            raise CodecError(
+                f"sparse_scatter_add: values[{p}] must be 1-D {out.dtype} with {idx.numel()} elements, "
+                f"got {val.dtype} {tuple(val.shape)}"
+            )
+        if idx.device != out.device or val.device != out.device:
+            raise CodecError(f"sparse_scatter_add: payload {p} is on {idx.device}/{val.device}, out on {out.device}")
+        if idx.numel():
+            lo, hi = int(idx.min()), int(idx.max())
+            if lo < 0 or hi >= numel:
+                raise CodecError(f"sparse_scatter_add: indices[{p}] holds {lo if lo < 0 else hi}, out of range [0, {numel})")
+            if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
+                raise CodecError(f"sparse_scatter_add: indices[{p}] must be strictly increasing (no duplicates)")
+
+
+def scatter_add_reference(indices: Sequence[torch.Tensor], values: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+    """The specification of ``commpress::sparse_scatter_add``: ``out[idx] += values``, payload by payload."""
+    check_payloads(indices, values, out)
+    for idx, val in zip(indices, values):
+        out.index_add_(0, idx.long(), val)

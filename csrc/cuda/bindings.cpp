@@ -1,7 +1,15 @@
-// CUDA kernels of commpress::pack_bits / commpress::unpack_bits: argument checks, output
-// allocation and the launch on torch's current stream. The kernels live in bitpack.cu.
+// CUDA kernels of every commpress op: argument checks (csrc/checks.h), output and scratch
+// allocation through torch's caching allocator, and the launch on torch's current stream.
+// The kernels themselves are plain CUDA in csrc/cuda/*.cu behind the C launchers of
+// launchers.h.
+//
+// Ops that can fail on the data (NaN/Inf, an overflowing scale, a bad index) read a small
+// device word back after the launch, which synchronises the stream: the price of raising a
+// clear error. The kernels that write outputs check that word first, so on failure nothing
+// was written (an error-feedback residual keeps its value).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -9,20 +17,20 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <optional>
+#include <tuple>
+#include <vector>
 
+#include "../checks.h"
 #include "commpress/bitpack.h"
-
-// Launchers defined in bitpack.cu (C linkage, raw pointers; see the comments there).
-extern "C" {
-cudaError_t commpress_pack_bits_cuda(const uint8_t* fields, int64_t n, int bits,
-                                     uint8_t* packed, unsigned long long* first_bad,
-                                     cudaStream_t stream);
-cudaError_t commpress_unpack_bits_cuda(const uint8_t* packed, int64_t n, int bits,
-                                       uint8_t* fields, cudaStream_t stream);
-}
+#include "launchers.h"
 
 namespace commpress {
 namespace {
+
+constexpr auto kCUDA = c10::DeviceType::CUDA;
+
+cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream(); }
 
 void check_bits(const char* op, int64_t bits) {
   TORCH_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8,
@@ -30,13 +38,26 @@ void check_bits(const char* op, int64_t bits) {
 }
 
 void check_byte_vector(const char* op, const char* name, const at::Tensor& t) {
-  TORCH_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got device ",
-              t.device());
+  TORCH_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got device ", t.device());
   TORCH_CHECK(t.scalar_type() == at::kByte, op, ": ", name, " must have dtype uint8, got ",
               t.scalar_type());
   TORCH_CHECK(t.dim() == 1, op, ": ", name, " must be 1-D, got shape ", t.sizes());
   TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
 }
+
+// The flags word of a launch, copied back (synchronises the stream).
+int read_flags(const at::Tensor& flags) { return flags.item<int>(); }
+
+double dtype_max(DType dtype) {
+  switch (dtype) {
+    case kF16: return 65504.0;
+    case kBF16: return 3.3895313892515355e38;
+    case kF32: return 3.4028234663852886e38;
+    default: return 1.7976931348623157e308;
+  }
+}
+
+// ----- bit packing ---------------------------------------------------------------------------
 
 at::Tensor pack_bits_cuda(const at::Tensor& fields, int64_t bits) {
   check_bits("pack_bits", bits);
@@ -52,8 +73,7 @@ at::Tensor pack_bits_cuda(const at::Tensor& fields, int64_t bits) {
   C10_CUDA_CHECK(commpress_pack_bits_cuda(
       fields.const_data_ptr<uint8_t>(), n, static_cast<int>(bits),
       packed.mutable_data_ptr<uint8_t>(),
-      reinterpret_cast<unsigned long long*>(first_bad.mutable_data_ptr<int64_t>()),
-      c10::cuda::getCurrentCUDAStream()));
+      reinterpret_cast<unsigned long long*>(first_bad.mutable_data_ptr<int64_t>()), stream()));
   // Reading the word synchronises the stream: the price of raising on bad input (validation
   // itself is fused into the kernel; see bitpack.cu). UINT64_MAX reads back as -1.
   const int64_t bad = first_bad.item<int64_t>();
@@ -76,9 +96,263 @@ at::Tensor unpack_bits_cuda(const at::Tensor& packed, int64_t bits, int64_t n) {
   at::Tensor fields = at::empty({n}, packed.options());
   C10_CUDA_CHECK(commpress_unpack_bits_cuda(packed.const_data_ptr<uint8_t>(), n,
                                             static_cast<int>(bits),
-                                            fields.mutable_data_ptr<uint8_t>(),
-                                            c10::cuda::getCurrentCUDAStream()));
+                                            fields.mutable_data_ptr<uint8_t>(), stream()));
   return fields;
+}
+
+// ----- sign ----------------------------------------------------------------------------------
+
+std::tuple<at::Tensor, at::Tensor> sign_encode_cuda(const at::Tensor& x,
+                                                    const std::optional<at::Tensor>& residual,
+                                                    int64_t block_size) {
+  static constexpr const char* op = "sign_encode";
+  check_vector(op, "x", x, kCUDA);
+  const DType dtype = float_code(op, "x", x);
+  TORCH_CHECK(block_size >= 0, op, ": block_size must be >= 0, got ", block_size);
+  const at::Tensor* e = residual.has_value() ? &*residual : nullptr;
+  if (e != nullptr) {
+    check_residual(op, *e, x);
+  }
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t n = x.numel();
+  const int64_t block = block_size == 0 ? (n > 0 ? n : 1) : block_size;
+  const at::ScalarType ct = compute_type(x.scalar_type());
+  at::Tensor scales = at::empty({n_blocks(n, block)}, x.options().dtype(ct));
+  at::Tensor bits = at::empty({packed_nbytes(n, 1)}, x.options().dtype(at::kByte));
+  if (n == 0) {
+    return {scales, bits};
+  }
+  at::Tensor scratch =
+      at::empty({commpress_reduce_scratch_cuda(n, block)}, x.options().dtype(at::kDouble));
+  at::Tensor flags = at::empty({1}, x.options().dtype(at::kInt));
+  C10_CUDA_CHECK(commpress_sign_encode_cuda(
+      x.const_data_ptr(), dtype, e != nullptr ? e->data_ptr() : nullptr, n, block,
+      scales.data_ptr(), bits.mutable_data_ptr<uint8_t>(), scratch.mutable_data_ptr<double>(),
+      flags.mutable_data_ptr<int>(), stream()));
+  const int f = read_flags(flags);
+  TORCH_CHECK(!(f & 1), op, ": ", e != nullptr ? "x + residual" : "x",
+              " contains NaN or Inf (non-finite input; nothing was written)");
+  TORCH_CHECK(!(f & 2), op, ": a block's mean magnitude overflows ", ct,
+              " (NaN or Inf scale; nothing was written)");
+  return {scales, bits};
+}
+
+void sign_decode_cuda(const at::Tensor& scales, const at::Tensor& bits, int64_t block_size,
+                      const at::Tensor& out, bool accumulate) {
+  static constexpr const char* op = "sign_decode";
+  check_vector(op, "out", out, kCUDA);
+  const DType dtype = float_code(op, "out", out);
+  check_vector(op, "scales", scales, kCUDA);
+  check_same_device(op, "scales", scales, out, "out");
+  check_dtype(op, "scales", scales, compute_type(out.scalar_type()));
+  check_vector(op, "bits", bits, kCUDA);
+  check_same_device(op, "bits", bits, out, "out");
+  check_dtype(op, "bits", bits, at::kByte);
+  TORCH_CHECK(block_size >= 0, op, ": block_size must be >= 0, got ", block_size);
+  const int64_t n = out.numel();
+  const int64_t block = block_size == 0 ? (n > 0 ? n : 1) : block_size;
+  TORCH_CHECK(scales.numel() == n_blocks(n, block), op, ": scales has ", scales.numel(),
+              " elements, ", n, " outputs in blocks of ", block, " need ", n_blocks(n, block));
+  TORCH_CHECK(bits.numel() == packed_nbytes(n, 1), op, ": bits has ", bits.numel(),
+              " bytes, ", n, " outputs need ", packed_nbytes(n, 1));
+  const c10::cuda::CUDAGuard guard(out.device());
+  C10_CUDA_CHECK(commpress_sign_decode_cuda(scales.const_data_ptr(),
+                                            bits.const_data_ptr<uint8_t>(), n, block, dtype,
+                                            out.data_ptr(), accumulate ? 1 : 0, stream()));
+}
+
+// ----- qsgd ----------------------------------------------------------------------------------
+
+std::tuple<at::Tensor, at::Tensor> qsgd_encode_cuda(const at::Tensor& x,
+                                                    const std::optional<at::Tensor>& residual,
+                                                    int64_t bits, int64_t levels,
+                                                    int64_t bucket_size, int64_t seed) {
+  static constexpr const char* op = "qsgd_encode";
+  check_vector(op, "x", x, kCUDA);
+  const DType dtype = float_code(op, "x", x);
+  check_qsgd_params(op, bits, levels, bucket_size);
+  const at::Tensor* e = residual.has_value() ? &*residual : nullptr;
+  if (e != nullptr) {
+    check_residual(op, *e, x);
+  }
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t n = x.numel();
+  const at::ScalarType ct = compute_type(x.scalar_type());
+  at::Tensor norms = at::empty({n_blocks(n, bucket_size)}, x.options().dtype(ct));
+  at::Tensor packed = at::empty({packed_nbytes(n, bits)}, x.options().dtype(at::kByte));
+  if (n == 0) {
+    return {norms, packed};
+  }
+  at::Tensor scratch =
+      at::empty({commpress_reduce_scratch_cuda(n, bucket_size)}, x.options().dtype(at::kDouble));
+  at::Tensor flags = at::empty({1}, x.options().dtype(at::kInt));
+  C10_CUDA_CHECK(commpress_qsgd_encode_cuda(
+      x.const_data_ptr(), dtype, e != nullptr ? e->data_ptr() : nullptr, n,
+      static_cast<int>(bits), static_cast<int>(levels), bucket_size, seed_bits(seed),
+      dtype_max(dtype), norms.data_ptr(), packed.mutable_data_ptr<uint8_t>(),
+      scratch.mutable_data_ptr<double>(), flags.mutable_data_ptr<int>(), stream()));
+  const int f = read_flags(flags);
+  TORCH_CHECK(!(f & 1), op, ": ", e != nullptr ? "x + residual" : "x",
+              " contains NaN or Inf (non-finite input; nothing was written)");
+  TORCH_CHECK(!(f & 2), op, ": a bucket norm overflows ", ct,
+              " (NaN or Inf norm; nothing was written)");
+  if (f & 4) {
+    const double limit = dtype_max(dtype);
+    const double big = norms.masked_select(norms.gt(limit))[0].item<double>();
+    TORCH_CHECK(false, op, ": a bucket norm ", big, " exceeds ", x.scalar_type(),
+                "'s range; use a smaller bucket_size (nothing was written)");
+  }
+  return {norms, packed};
+}
+
+void qsgd_decode_cuda(const at::Tensor& norms, const at::Tensor& packed, int64_t bits,
+                      int64_t levels, int64_t bucket_size, const at::Tensor& out,
+                      bool accumulate) {
+  static constexpr const char* op = "qsgd_decode";
+  check_vector(op, "out", out, kCUDA);
+  const DType dtype = float_code(op, "out", out);
+  check_qsgd_params(op, bits, levels, bucket_size);
+  check_vector(op, "norms", norms, kCUDA);
+  check_same_device(op, "norms", norms, out, "out");
+  check_dtype(op, "norms", norms, compute_type(out.scalar_type()));
+  check_vector(op, "packed", packed, kCUDA);
+  check_same_device(op, "packed", packed, out, "out");
+  check_dtype(op, "packed", packed, at::kByte);
+  const int64_t n = out.numel();
+  TORCH_CHECK(norms.numel() == n_blocks(n, bucket_size), op, ": norms has ", norms.numel(),
+              " elements, ", n, " outputs in buckets of ", bucket_size, " need ",
+              n_blocks(n, bucket_size));
+  TORCH_CHECK(packed.numel() == packed_nbytes(n, bits), op, ": packed has ", packed.numel(),
+              " bytes, ", n, " fields of bits=", bits, " need ", packed_nbytes(n, bits));
+  const c10::cuda::CUDAGuard guard(out.device());
+  C10_CUDA_CHECK(commpress_qsgd_decode_cuda(
+      norms.const_data_ptr(), packed.const_data_ptr<uint8_t>(), n, static_cast<int>(bits),
+      static_cast<int>(levels), bucket_size, dtype, out.data_ptr(), accumulate ? 1 : 0,
+      stream()));
+}
+
+// ----- top-k and sparse scatter-add ----------------------------------------------------------
+
+std::tuple<at::Tensor, at::Tensor> topk_select_cuda(const at::Tensor& x, int64_t k) {
+  static constexpr const char* op = "topk_select";
+  check_vector(op, "x", x, kCUDA);
+  const DType dtype = float_code(op, "x", x);
+  const int64_t n = x.numel();
+  TORCH_CHECK(k >= 0 && k <= n, op, ": k must be in [0, numel=", n, "], got ", k);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const bool index64 = n > INT32_MAX;
+  at::Tensor indices = at::empty({k}, x.options().dtype(index64 ? at::kLong : at::kInt));
+  at::Tensor values = at::empty({k}, x.options());
+  if (n == 0) {
+    return {indices, values};
+  }
+  at::Tensor scratch = at::empty({commpress_topk_scratch_cuda(n)}, x.options().dtype(at::kByte));
+  at::Tensor flags = at::empty({1}, x.options().dtype(at::kInt));
+  C10_CUDA_CHECK(commpress_topk_select_cuda(x.const_data_ptr(), dtype, n, k, indices.data_ptr(),
+                                            index64 ? 1 : 0, values.data_ptr(),
+                                            scratch.data_ptr(), flags.mutable_data_ptr<int>(),
+                                            stream()));
+  TORCH_CHECK(!(read_flags(flags) & 1), op, ": x contains NaN or Inf (non-finite input)");
+  return {indices, values};
+}
+
+void sparse_scatter_add_cuda(at::TensorList indices, at::TensorList values,
+                             const at::Tensor& out) {
+  static constexpr const char* op = "sparse_scatter_add";
+  check_vector(op, "out", out, kCUDA);
+  const DType dtype = float_code(op, "out", out);
+  TORCH_CHECK(indices.size() == values.size(), op, ": got ", indices.size(),
+              " index tensors but ", values.size(), " value tensors");
+  const int64_t n = out.numel();
+  for (size_t p = 0; p < indices.size(); ++p) {
+    const at::Tensor& idx = indices[p];
+    const at::Tensor& val = values[p];
+    check_vector(op, "indices[p]", idx, kCUDA);
+    check_vector(op, "values[p]", val, kCUDA);
+    check_same_device(op, "indices[p]", idx, out, "out");
+    check_same_device(op, "values[p]", val, out, "out");
+    TORCH_CHECK(idx.scalar_type() == at::kInt || idx.scalar_type() == at::kLong, op,
+                ": indices[", p, "] must have dtype int32 or int64, got ", idx.scalar_type());
+    TORCH_CHECK(val.scalar_type() == out.scalar_type(), op, ": values[", p, "] has dtype ",
+                val.scalar_type(), ", out has ", out.scalar_type());
+    TORCH_CHECK(idx.numel() == val.numel(), op, ": indices[", p, "] has ", idx.numel(),
+                " elements, values[", p, "] has ", val.numel());
+  }
+  if (indices.empty()) {
+    return;
+  }
+  const c10::cuda::CUDAGuard guard(out.device());
+  // All payloads are validated before any is added: the add kernels skip once first_bad is set.
+  at::Tensor first_bad = at::full({1}, -1, out.options().dtype(at::kLong));  // UINT64_MAX
+  auto* bad = reinterpret_cast<unsigned long long*>(first_bad.mutable_data_ptr<int64_t>());
+  for (size_t p = 0; p < indices.size(); ++p) {
+    C10_CUDA_CHECK(commpress_scatter_validate_cuda(
+        indices[p].const_data_ptr(), indices[p].scalar_type() == at::kLong ? 1 : 0,
+        indices[p].numel(), n, static_cast<int64_t>(p), bad, stream()));
+  }
+  for (size_t p = 0; p < indices.size(); ++p) {
+    C10_CUDA_CHECK(commpress_scatter_add_cuda(
+        indices[p].const_data_ptr(), indices[p].scalar_type() == at::kLong ? 1 : 0,
+        values[p].const_data_ptr(), indices[p].numel(), dtype, out.data_ptr(), bad, stream()));
+  }
+  const auto code = static_cast<unsigned long long>(first_bad.item<int64_t>());
+  if (code != ~0ull) {
+    const auto p = static_cast<int64_t>(code >> 40);
+    const auto j = static_cast<int64_t>((code >> 1) & ((1ull << 39) - 1));
+    const int64_t v = indices[p][j].item<int64_t>();
+    TORCH_CHECK(code & 1, op, ": indices[", p, "][", j, "] = ", v, " is out of range [0, ", n,
+                ")");
+    TORCH_CHECK(false, op, ": indices[", p, "] must be strictly increasing (no duplicates): indices[",
+                p, "][", j, "] = ", v, " follows ", indices[p][j - 1].item<int64_t>());
+  }
+}
+
+// ----- random-k ------------------------------------------------------------------------------
+
+void check_strata(const char* op, int64_t n, int64_t k) {
+  TORCH_CHECK(k >= 0 && k <= n, op, ": k must be in [0, numel=", n, "], got ", k);
+  TORCH_CHECK(n == 0 || k >= 1, op, ": k must be >= 1 for a non-empty tensor");
+  TORCH_CHECK(k == 0 || (n + k - 1) / k < (int64_t{1} << 32), op, ": k=", k,
+              " is too small for numel=", n, " (strata longer than 2**32)");
+  TORCH_CHECK(k < (int64_t{1} << 32), op, ": k=", k, " must be < 2**32");
+}
+
+at::Tensor randomk_gather_cuda(const at::Tensor& x, int64_t k, int64_t seed, bool scaled) {
+  static constexpr const char* op = "randomk_gather";
+  check_vector(op, "x", x, kCUDA);
+  const DType dtype = float_code(op, "x", x);
+  const int64_t n = x.numel();
+  check_strata(op, n, k);
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor values = at::empty({k}, x.options());
+  if (n == 0) {
+    return values;
+  }
+  at::Tensor flags = at::empty({1}, x.options().dtype(at::kInt));
+  C10_CUDA_CHECK(commpress_randomk_gather_cuda(x.const_data_ptr(), dtype, n, k, seed_bits(seed),
+                                               scaled ? 1 : 0, values.data_ptr(),
+                                               flags.mutable_data_ptr<int>(), stream()));
+  const int f = read_flags(flags);
+  TORCH_CHECK(!(f & 1), op, ": x contains NaN or Inf (non-finite input)");
+  TORCH_CHECK(!(f & 2), op, ": x scaled by its block length overflows ", x.scalar_type(),
+              "; use scaled=False");
+  return values;
+}
+
+void randomk_scatter_add_cuda(const at::Tensor& values, int64_t seed, const at::Tensor& out) {
+  static constexpr const char* op = "randomk_scatter_add";
+  check_vector(op, "out", out, kCUDA);
+  const DType dtype = float_code(op, "out", out);
+  check_vector(op, "values", values, kCUDA);
+  check_same_device(op, "values", values, out, "out");
+  TORCH_CHECK(values.scalar_type() == out.scalar_type(), op, ": values has dtype ",
+              values.scalar_type(), ", out has ", out.scalar_type());
+  const int64_t n = out.numel();
+  const int64_t k = values.numel();
+  check_strata(op, n, k);
+  const c10::cuda::CUDAGuard guard(out.device());
+  C10_CUDA_CHECK(commpress_randomk_scatter_add_cuda(values.const_data_ptr(), dtype, k, n,
+                                                    seed_bits(seed), out.data_ptr(), stream()));
 }
 
 }  // namespace
@@ -86,6 +360,14 @@ at::Tensor unpack_bits_cuda(const at::Tensor& packed, int64_t bits, int64_t n) {
 TORCH_LIBRARY_IMPL(commpress, CUDA, m) {
   m.impl("pack_bits", &pack_bits_cuda);
   m.impl("unpack_bits", &unpack_bits_cuda);
+  m.impl("sign_encode", &sign_encode_cuda);
+  m.impl("sign_decode", &sign_decode_cuda);
+  m.impl("qsgd_encode", &qsgd_encode_cuda);
+  m.impl("qsgd_decode", &qsgd_decode_cuda);
+  m.impl("topk_select", &topk_select_cuda);
+  m.impl("sparse_scatter_add", &sparse_scatter_add_cuda);
+  m.impl("randomk_gather", &randomk_gather_cuda);
+  m.impl("randomk_scatter_add", &randomk_scatter_add_cuda);
 }
 
 }  // namespace commpress

@@ -11,11 +11,7 @@
 
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define COMMPRESS_HD __host__ __device__ __forceinline__
-#else
-#define COMMPRESS_HD inline
-#endif
+#include "commpress/hd.h"
 
 namespace commpress {
 

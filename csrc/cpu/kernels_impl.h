@@ -1,0 +1,764 @@
+// Inner loops of the CPU kernels (see kernels.h), compiled once per instruction set.
+//
+// Included by kernels_<isa>.cpp after its `#pragma GCC target`, inside a namespace named by
+// COMMPRESS_ISA_NS; everything here has internal linkage, so the variants never mix. The
+// loops are written for the auto-vectoriser: fixed-size tiles, no calls, branch-free bodies.
+// No torch headers: the per-element math comes from include/commpress/*.h.
+//
+// Every header this file needs is included by the .cpp *before* its target pragma, so no
+// inline function outside the ISA namespace is ever compiled for a wider instruction set.
+
+// NOLINTBEGIN(build/namespaces)
+namespace commpress {
+namespace cpu {
+namespace COMMPRESS_ISA_NS {
+namespace {
+
+template <class T>
+using CT = typename Elem<T>::compute;
+
+constexpr int64_t kTile = 512;  // elements per pass-2 tile: field buffer stays in L1
+
+// |v| (clears the sign bit: -0.0 -> +0.0, like torch.abs).
+COMMPRESS_HD float fabs_(float v) { return std::fabs(v); }
+COMMPRESS_HD double fabs_(double v) { return std::fabs(v); }
+
+#if COMMPRESS_ISA_LEVEL >= 3
+#define COMMPRESS_AVX512 1
+#else
+#define COMMPRESS_AVX512 0
+#endif
+
+#if COMMPRESS_AVX512
+// ----- AVX-512 float32 fast paths ------------------------------------------------------------
+// The same operations as the generic loops below, on 16 lanes; the ISA test loop in
+// tests/test_kernels.py checks them against the reference bit for bit.
+
+inline __m512 load_c16(const float* __restrict__ x, const float* __restrict__ e, int64_t i,
+                       bool has_e) {
+  const __m512 v = _mm512_loadu_ps(x + i);
+  return has_e ? _mm512_add_ps(v, _mm512_loadu_ps(e + i)) : v;
+}
+
+// The sums of 8 consecutive full chunks (256 values) combined by the adjacent-pairs tree:
+// ((c0 + c1) + (c2 + c3)) + ((c4 + c5) + (c6 + c7)). The per-chunk halves trees of all 8
+// chunks are folded together with lane shuffles (same operand pairs as chunk_tree_sum).
+template <int Kind, bool HasE>
+inline double chunk8_sum_f32(const float* __restrict__ x, const float* __restrict__ e, int64_t i) {
+  __m512d b[8];  // per chunk: v[j] + v[j + 8] + ... folded down to 8 lanes (levels 16 and 8)
+  for (int k = 0; k < 8; ++k) {
+    const __m512 w0 = load_c16(x, e, i + 32 * k, HasE);
+    const __m512 w1 = load_c16(x, e, i + 32 * k + 16, HasE);
+    __m512d d0 = _mm512_cvtps_pd(_mm512_castps512_ps256(w0));
+    __m512d d1 = _mm512_cvtps_pd(_mm512_extractf32x8_ps(w0, 1));
+    __m512d d2 = _mm512_cvtps_pd(_mm512_castps512_ps256(w1));
+    __m512d d3 = _mm512_cvtps_pd(_mm512_extractf32x8_ps(w1, 1));
+    if constexpr (Kind == kSumAbs) {
+      d0 = _mm512_abs_pd(d0);
+      d1 = _mm512_abs_pd(d1);
+      d2 = _mm512_abs_pd(d2);
+      d3 = _mm512_abs_pd(d3);
+    } else {
+      d0 = _mm512_mul_pd(d0, d0);
+      d1 = _mm512_mul_pd(d1, d1);
+      d2 = _mm512_mul_pd(d2, d2);
+      d3 = _mm512_mul_pd(d3, d3);
+    }
+    b[k] = _mm512_add_pd(_mm512_add_pd(d0, d2), _mm512_add_pd(d1, d3));
+  }
+  // level 4: c_k = b_k[0..3] + b_k[4..7], two chunks per register
+  __m512d c[4];
+  for (int k = 0; k < 4; ++k) {
+    const __m512d lo = _mm512_shuffle_f64x2(b[2 * k], b[2 * k + 1], 0x44);  // b0[0..3], b1[0..3]
+    const __m512d hi = _mm512_shuffle_f64x2(b[2 * k], b[2 * k + 1], 0xEE);  // b0[4..7], b1[4..7]
+    c[k] = _mm512_add_pd(lo, hi);
+  }
+  // level 2: d_k = c_k[0..1] + c_k[2..3], four chunks per register
+  __m512d d[2];
+  for (int k = 0; k < 2; ++k) {
+    const __m512d lo = _mm512_shuffle_f64x2(c[2 * k], c[2 * k + 1], 0x88);  // 128-bit lanes 0, 2
+    const __m512d hi = _mm512_shuffle_f64x2(c[2 * k], c[2 * k + 1], 0xDD);  // 128-bit lanes 1, 3
+    d[k] = _mm512_add_pd(lo, hi);
+  }
+  // level 1: r_k = d_k[0] + d_k[1]; lanes come out as chunks 0, 4, 1, 5, 2, 6, 3, 7
+  const __m512d r = _mm512_add_pd(_mm512_unpacklo_pd(d[0], d[1]), _mm512_unpackhi_pd(d[0], d[1]));
+  alignas(64) double rs[8];
+  _mm512_store_pd(rs, r);
+  return ((rs[0] + rs[2]) + (rs[4] + rs[6])) + ((rs[1] + rs[3]) + (rs[5] + rs[7]));
+}
+
+// Sign bits (and the residual) of [s, s + 16m), s a multiple of 16; returns where it stopped.
+template <bool HasE>
+inline int64_t sign_encode_f32(const float* __restrict__ x, float* __restrict__ e, float sc,
+                               uint8_t* __restrict__ bits, int64_t s, int64_t end) {
+  const __m512 zero = _mm512_setzero_ps();
+  const __m512 pos = _mm512_set1_ps(sc);
+  const __m512 neg = _mm512_set1_ps(-sc);
+  int64_t i = s;
+  for (; i + 16 <= end; i += 16) {
+    const __m512 c = load_c16(x, e, i, HasE);
+    const __mmask16 m = _mm512_cmp_ps_mask(c, zero, _CMP_LT_OQ);
+    const auto mb = static_cast<uint16_t>(m);
+    std::memcpy(bits + i / 8, &mb, 2);
+    if constexpr (HasE) {
+      const __m512 d = _mm512_add_ps(_mm512_mask_blend_ps(m, pos, neg), zero);
+      _mm512_storeu_ps(e + i, _mm512_sub_ps(c, d));
+    }
+  }
+  return i;
+}
+
+template <bool Accumulate>
+inline int64_t sign_decode_f32(const uint8_t* __restrict__ bits, float sc, float* __restrict__ out,
+                               int64_t s, int64_t end) {
+  const __m512 pos = _mm512_set1_ps(sc);
+  const __m512 neg = _mm512_set1_ps(-sc);
+  int64_t i = s;
+  for (; i + 16 <= end; i += 16) {
+    uint16_t mb;
+    std::memcpy(&mb, bits + i / 8, 2);
+    const __m512 v = _mm512_mask_blend_ps(static_cast<__mmask16>(mb), pos, neg);
+    // out + v, or v + 0 (a fresh decode adds to zeros: -0 becomes +0)
+    const __m512 base = Accumulate ? _mm512_loadu_ps(out + i) : _mm512_setzero_ps();
+    _mm512_storeu_ps(out + i, _mm512_add_ps(base, v));
+  }
+  return i;
+}
+
+inline __m512i mix64_x8(__m512i z) {
+  z = _mm512_xor_si512(z, _mm512_srli_epi64(z, 30));
+  z = _mm512_mullo_epi64(z, _mm512_set1_epi64(static_cast<int64_t>(0xBF58476D1CE4E5B9ull)));
+  z = _mm512_xor_si512(z, _mm512_srli_epi64(z, 27));
+  z = _mm512_mullo_epi64(z, _mm512_set1_epi64(static_cast<int64_t>(0x94D049BB133111EBull)));
+  return _mm512_xor_si512(z, _mm512_srli_epi64(z, 31));
+}
+
+// rng_uniform of the 16 draws whose Weyl states (key + (i + 1) * golden) are in z0, z1.
+inline __m512 uniform_x16(__m512i z0, __m512i z1) {
+  const __m256i lo = _mm512_cvtepi64_epi32(_mm512_srli_epi64(mix64_x8(z0), 40));
+  const __m256i hi = _mm512_cvtepi64_epi32(_mm512_srli_epi64(mix64_x8(z1), 40));
+  const __m512i r = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(r), _mm512_set1_ps(5.9604644775390625e-08f));
+}
+
+// Packs 16 fields (int32 lanes, each < 2**Bits) LSB-first into 2 * Bits bytes.
+template <int Bits>
+inline void store_fields16(__m512i f, uint8_t* __restrict__ out) {
+  if constexpr (Bits == 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(f));
+  } else if constexpr (Bits == 4) {
+    const __m512i sh = _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0);
+    __m128i b = _mm512_cvtepi32_epi8(_mm512_sllv_epi32(f, sh));
+    b = _mm_or_si128(b, _mm_srli_epi16(b, 8));
+    b = _mm_shuffle_epi8(b, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, -1, -1, -1, -1, -1, -1, -1, -1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out), b);
+  } else {
+    const __m512i sh = _mm512_set_epi32(6, 4, 2, 0, 6, 4, 2, 0, 6, 4, 2, 0, 6, 4, 2, 0);
+    __m128i b = _mm512_cvtepi32_epi8(_mm512_sllv_epi32(f, sh));
+    b = _mm_or_si128(b, _mm_srli_epi32(b, 8));
+    b = _mm_or_si128(b, _mm_srli_epi32(b, 16));
+    b = _mm_shuffle_epi8(b, _mm_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
+    const auto word = static_cast<uint32_t>(_mm_cvtsi128_si32(b));
+    std::memcpy(out, &word, 4);
+  }
+}
+
+// The 16 fields (int32 lanes) packed at `p` (2 * Bits bytes).
+template <int Bits>
+inline __m512i load_fields16(const uint8_t* __restrict__ p) {
+  if constexpr (Bits == 8) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  } else if constexpr (Bits == 4) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(b, mask);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    return _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));
+  } else {
+    uint32_t word;
+    std::memcpy(&word, p, 4);
+    const __m128i rep = _mm_shuffle_epi8(_mm_cvtsi32_si128(static_cast<int>(word)),
+                                         _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
+    const __m512i sh = _mm512_set_epi32(6, 4, 2, 0, 6, 4, 2, 0, 6, 4, 2, 0, 6, 4, 2, 0);
+    return _mm512_and_si512(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(rep), sh), _mm512_set1_epi32(3));
+  }
+}
+
+template <bool HasE, int Bits>
+inline int64_t qsgd_encode_f32(const float* __restrict__ x, float* __restrict__ e, float norm,
+                               int levels, const float* ratio16, uint64_t key,
+                               uint8_t* __restrict__ packed, int64_t s, int64_t end) {
+  const __m512 zero = _mm512_setzero_ps();
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 vs = _mm512_set1_ps(static_cast<float>(levels));
+  const __m512 vnorm = _mm512_set1_ps(norm);
+  const bool live = norm > 0.0f;
+  alignas(64) uint64_t start[16];
+  for (int l = 0; l < 16; ++l) {
+    start[l] = key + static_cast<uint64_t>(s + 1 + l) * kGolden;
+  }
+  __m512i z0 = _mm512_load_si512(start);
+  __m512i z1 = _mm512_load_si512(start + 8);
+  const __m512i step = _mm512_set1_epi64(static_cast<int64_t>(16 * kGolden));
+  int64_t i = s;
+  for (; i + 16 <= end; i += 16) {
+    const __m512 c = load_c16(x, e, i, HasE);
+    const __m512 a = live ? _mm512_div_ps(_mm512_abs_ps(c), vnorm) : zero;
+    const __m512 t = _mm512_mul_ps(a, vs);
+    const __m512 fl = _mm512_cvtepi32_ps(_mm512_cvttps_epi32(t));
+    const __m512 u = uniform_x16(z0, z1);
+    z0 = _mm512_add_epi64(z0, step);
+    z1 = _mm512_add_epi64(z1, step);
+    const __mmask16 up = _mm512_cmp_ps_mask(u, _mm512_sub_ps(t, fl), _CMP_LT_OQ);
+    const __m512 level = _mm512_min_ps(_mm512_mask_add_ps(fl, up, fl, one), vs);
+    const __mmask16 ng = _mm512_cmp_ps_mask(c, zero, _CMP_LT_OQ);
+    const __m512 q = _mm512_mask_sub_ps(level, ng, zero, level);
+    const __m512i f = _mm512_cvttps_epi32(_mm512_add_ps(q, vs));
+    store_fields16<Bits>(f, packed + i / 8 * Bits);
+    if constexpr (HasE) {
+      // ratio (f - s) / s: a 16-entry table lookup for fields of 2 and 4 bits
+      const __m512 ratio = Bits == 8 ? _mm512_div_ps(q, vs)
+                                     : _mm512_permutexvar_ps(f, _mm512_loadu_ps(ratio16));
+      const __m512 d = _mm512_add_ps(_mm512_mul_ps(vnorm, ratio), zero);
+      _mm512_storeu_ps(e + i, _mm512_sub_ps(c, d));
+    }
+  }
+  return i;
+}
+
+template <bool Accumulate, int Bits>
+inline int64_t qsgd_decode_f32(const uint8_t* __restrict__ packed, float norm, int levels,
+                               const float* ratio16, float* __restrict__ out, int64_t s,
+                               int64_t end) {
+  const __m512 vs = _mm512_set1_ps(static_cast<float>(levels));
+  const __m512 vnorm = _mm512_set1_ps(norm);
+  const __m512 table = _mm512_loadu_ps(ratio16);
+  int64_t i = s;
+  for (; i + 16 <= end; i += 16) {
+    const __m512i f = load_fields16<Bits>(packed + i / 8 * Bits);
+    __m512 ratio;
+    if constexpr (Bits == 8) {
+      ratio = _mm512_div_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(f), vs), vs);
+    } else {
+      ratio = _mm512_permutexvar_ps(f, table);
+    }
+    const __m512 base = Accumulate ? _mm512_loadu_ps(out + i) : _mm512_setzero_ps();
+    _mm512_storeu_ps(out + i, _mm512_add_ps(base, _mm512_mul_ps(vnorm, ratio)));
+  }
+  return i;
+}
+#endif  // COMMPRESS_AVX512
+
+// Whether the float32 fast paths apply: T is float32 and every block segment of a range
+// starting at a multiple of 64 starts at a multiple of 16.
+template <class T>
+COMMPRESS_HD bool use_fast(int64_t block, int64_t n) {
+  return COMMPRESS_AVX512 && std::is_same_v<T, float> && (block % 16 == 0 || block >= n);
+}
+
+template <class T, bool HasE>
+COMMPRESS_HD CT<T> encoded_value(const T* __restrict__ x, const CT<T>* __restrict__ e,
+                                 int64_t i) {
+  return Corrected<T, HasE>(x[i], e, i).w;
+}
+
+// ----- pass 1: block sums --------------------------------------------------------------------
+
+template <int Kind, class T, bool HasE>
+COMMPRESS_HD double element_term(const T* __restrict__ x, const CT<T>* __restrict__ e, int64_t i,
+                                 double safe) {
+  const double w = static_cast<double>(encoded_value<T, HasE>(x, e, i));
+  if constexpr (Kind == kSumAbs || Kind == kMaxAbs) {
+    return std::fabs(w);
+  } else if constexpr (Kind == kSumSquare) {
+    return w * w;  // exact for float32/16 input
+  } else {
+    const double y = w / safe;
+    return y * y;
+  }
+}
+
+template <class T, bool HasE>
+bool has_nonfinite(const T* __restrict__ x, const CT<T>* __restrict__ e, int64_t i0, int64_t i1) {
+  for (int64_t i = i0; i < i1; ++i) {
+    const double w = static_cast<double>(encoded_value<T, HasE>(x, e, i));
+    if (!(std::fabs(w) <= std::numeric_limits<double>::max())) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// Sum of 8 full chunks (256 values) by the vector path where one exists (float32 input, sums
+// of |w| or w^2); false otherwise.
+template <int Kind, class T, bool HasE>
+COMMPRESS_HD bool fast_chunk8_sum(const T* __restrict__ x, const CT<T>* __restrict__ e, int64_t i,
+                                  double* out) {
+#if COMMPRESS_AVX512
+  if constexpr (std::is_same_v<T, float> && (Kind == kSumAbs || Kind == kSumSquare)) {
+    *out = chunk8_sum_f32<Kind, HasE>(x, e, i);
+    return true;
+  }
+#endif
+  (void)x, (void)e, (void)i, (void)out;
+  return false;
+}
+
+template <int Kind, class T, bool HasE>
+void sum_groups(const SumArgs& a, int64_t g0, int64_t g1, double* out, std::atomic<bool>* bad) {
+  const T* __restrict__ x = static_cast<const T*>(a.x);
+  const CT<T>* __restrict__ e = static_cast<const CT<T>*>(a.e);
+  const BlockLayout& L = a.layout;
+  bool saw_bad = false;
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t b = g / L.groups_per_block;
+    const int64_t bstart = b * L.block;
+    const int64_t bend = bstart + L.block_len(b);
+    const int64_t s = bstart + (g - b * L.groups_per_block) * L.group;
+    const int64_t t = s + L.group < bend ? s + L.group : bend;
+    double safe = 1.0;
+    if constexpr (Kind == kSumScaledSquare) {
+      safe = a.amax[b] > 0.0 ? a.amax[b] : 1.0;
+    }
+    if constexpr (Kind == kMaxAbs) {
+      double m = 0.0;
+      int64_t i = s;
+      for (; i + kSumChunk <= t; i += kSumChunk) {
+        double v[kSumChunk];
+        for (int j = 0; j < kSumChunk; ++j) {
+          v[j] = element_term<Kind, T, HasE>(x, e, i + j, safe);
+        }
+        double cm = v[0];
+        for (int j = 1; j < kSumChunk; ++j) {
+          cm = v[j] > cm ? v[j] : cm;
+        }
+        if (!(cm <= std::numeric_limits<double>::max())) {
+          saw_bad = saw_bad || has_nonfinite<T, HasE>(x, e, i, i + kSumChunk);
+        }
+        m = cm > m ? cm : m;
+      }
+      for (; i < t; ++i) {
+        const double v = element_term<Kind, T, HasE>(x, e, i, safe);
+        if (!(v <= std::numeric_limits<double>::max())) {
+          saw_bad = true;
+        }
+        m = v > m ? v : m;
+      }
+      out[g] = m;
+    } else {
+      // Groups of 8 chunks (aligned subtrees of the order; a missing chunk counts as 0),
+      // pushed as one value each, so the stack works once per 256 elements.
+      constexpr int64_t kSpan = 8 * kSumChunk;
+      PairwiseStack stack;
+      for (int64_t i = s; i < t; i += kSpan) {
+        const int64_t count = t - i;
+        double sub;
+        if (count >= kSpan && fast_chunk8_sum<Kind, T, HasE>(x, e, i, &sub)) {
+          // done by the vector path
+        } else {
+          double cs[8];
+          for (int k = 0; k < 8; ++k) {
+            const int64_t c0 = i + k * kSumChunk;
+            const int64_t left = t - c0;
+            double v[kSumChunk];
+            if (left >= kSumChunk) {
+              for (int j = 0; j < kSumChunk; ++j) {
+                v[j] = element_term<Kind, T, HasE>(x, e, c0 + j, safe);
+              }
+              cs[k] = chunk_tree_sum(v);
+            } else if (left > 0) {
+              for (int j = 0; j < kSumChunk; ++j) {
+                v[j] = j < left ? element_term<Kind, T, HasE>(x, e, c0 + j, safe) : 0.0;
+              }
+              cs[k] = chunk_tree_sum(v);
+            } else {
+              cs[k] = 0.0;
+            }
+          }
+          sub = ((cs[0] + cs[1]) + (cs[2] + cs[3])) + ((cs[4] + cs[5]) + (cs[6] + cs[7]));
+        }
+        // A non-finite w makes the sum Inf or NaN; a finite float64 sum can overflow too, so
+        // look at the elements before calling it non-finite input.
+        if (!(sub <= std::numeric_limits<double>::max())) {
+          saw_bad = saw_bad || has_nonfinite<T, HasE>(x, e, i, i + (count < kSpan ? count : kSpan));
+        }
+        stack.push(sub);
+      }
+      out[g] = stack.finish();
+    }
+  }
+  if (saw_bad) {
+    bad->store(true, std::memory_order_relaxed);
+  }
+}
+
+// ----- packing a tile of fields ----------------------------------------------------------------
+
+// Packs `count` fields (count <= kTile) to ceil(count * Bits / 8) bytes at `out`.
+template <int Bits>
+COMMPRESS_HD void pack_tile(const uint8_t* __restrict__ fields, int64_t count,
+                            uint8_t* __restrict__ out) {
+  constexpr int kPer = kFieldsPerByte<Bits>;
+  const int64_t full = count / kPer;
+  uint8_t seen = 0;
+  for (int64_t q = 0; q < full; ++q) {
+    out[q] = pack_fields<Bits>(fields + q * kPer, kPer, seen);
+  }
+  const int tail = static_cast<int>(count - full * kPer);
+  if (tail > 0) {
+    out[full] = pack_fields<Bits>(fields + full * kPer, tail, seen);
+  }
+}
+
+template <int Bits>
+COMMPRESS_HD void unpack_tile(const uint8_t* __restrict__ packed, int64_t count,
+                              uint8_t* __restrict__ fields) {
+  constexpr int kPer = kFieldsPerByte<Bits>;
+  const int64_t full = count / kPer;
+  for (int64_t q = 0; q < full; ++q) {
+    unpack_fields<Bits>(packed[q], fields + q * kPer, kPer);
+  }
+  const int tail = static_cast<int>(count - full * kPer);
+  if (tail > 0) {
+    unpack_fields<Bits>(packed[full], fields + full * kPer, tail);
+  }
+}
+
+// Calls body(segment_start, segment_end, block_index) for the block segments of [i0, i1).
+template <class Body>
+COMMPRESS_HD void for_segments(int64_t i0, int64_t i1, int64_t block, Body&& body) {
+  int64_t i = i0;
+  while (i < i1) {
+    const int64_t b = i / block;
+    const int64_t end = (b + 1) * block < i1 ? (b + 1) * block : i1;
+    body(i, end, b);
+    i = end;
+  }
+}
+
+// ----- sign --------------------------------------------------------------------------------------
+
+// Sign bits of [s, end) into tile[s .. end) (0/1 bytes) and, with a residual, e = c - decode(w).
+template <class T, bool HasE>
+COMMPRESS_HD void sign_elems(const T* __restrict__ x, CT<T>* __restrict__ e, CT<T> sc,
+                             uint8_t* __restrict__ tile, int64_t s, int64_t end) {
+  for (int64_t i = s; i < end; ++i) {
+    const Corrected<T, HasE> v(x[i], e, i);
+    const bool ng = v.w < CT<T>(0);
+    tile[i] = ng;
+    if constexpr (HasE) {
+      e[i] = v.c - decoded_value<T>(sign_value(ng, sc));
+    }
+  }
+}
+
+template <class T, bool HasE>
+void sign_encode_range(const SignArgs& a, int64_t i0, int64_t i1) {
+  const T* __restrict__ x = static_cast<const T*>(a.x);
+  CT<T>* __restrict__ e = static_cast<CT<T>*>(a.e);
+  const CT<T>* __restrict__ scales = static_cast<const CT<T>*>(a.scales);
+  alignas(64) uint8_t neg[kTile];
+#if COMMPRESS_AVX512
+  if constexpr (std::is_same_v<T, float>) {
+    if (use_fast<T>(a.block, a.n) && i0 % 16 == 0) {
+      for_segments(i0, i1, a.block, [&](int64_t s, int64_t end, int64_t b) {
+        const int64_t i = sign_encode_f32<HasE>(x, e, scales[b], a.bits, s, end);
+        if (i < end) {  // the last < 16 elements of the tensor; i is a multiple of 16
+          sign_elems<T, HasE>(x, e, scales[b], neg - i, i, end);
+          pack_tile<1>(neg, end - i, a.bits + i / 8);
+        }
+      });
+      return;
+    }
+  }
+#endif
+  for (int64_t t0 = i0; t0 < i1; t0 += kTile) {
+    const int64_t t1 = t0 + kTile < i1 ? t0 + kTile : i1;
+    for_segments(t0, t1, a.block, [&](int64_t s, int64_t end, int64_t b) {
+      sign_elems<T, HasE>(x, e, scales[b], neg - t0, s, end);
+    });
+    pack_tile<1>(neg, t1 - t0, a.bits + t0 / 8);
+  }
+}
+
+template <bool Acc, class T>
+COMMPRESS_HD void sign_decode_elems(const uint8_t* __restrict__ tile, CT<T> sc, T* __restrict__ out,
+                                    int64_t s, int64_t end) {
+  for (int64_t i = s; i < end; ++i) {
+    out[i] = decode_into<Acc, T>(out[i], sign_value(tile[i] != 0, sc));
+  }
+}
+
+template <class T, bool Acc>
+void sign_decode_range_impl(const SignDecodeArgs& a, int64_t i0, int64_t i1) {
+  const CT<T>* __restrict__ scales = static_cast<const CT<T>*>(a.scales);
+  T* __restrict__ out = static_cast<T*>(a.out);
+  alignas(64) uint8_t neg[kTile];
+#if COMMPRESS_AVX512
+  if constexpr (std::is_same_v<T, float>) {
+    if (use_fast<T>(a.block, a.n) && i0 % 16 == 0) {
+      for_segments(i0, i1, a.block, [&](int64_t s, int64_t end, int64_t b) {
+        const int64_t i = sign_decode_f32<Acc>(a.bits, scales[b], out, s, end);
+        if (i < end) {
+          unpack_tile<1>(a.bits + i / 8, end - i, neg);
+          sign_decode_elems<Acc, T>(neg - i, scales[b], out, i, end);
+        }
+      });
+      return;
+    }
+  }
+#endif
+  for (int64_t t0 = i0; t0 < i1; t0 += kTile) {
+    const int64_t t1 = t0 + kTile < i1 ? t0 + kTile : i1;
+    unpack_tile<1>(a.bits + t0 / 8, t1 - t0, neg);
+    for_segments(t0, t1, a.block, [&](int64_t s, int64_t end, int64_t b) {
+      sign_decode_elems<Acc, T>(neg - t0, scales[b], out, s, end);
+    });
+  }
+}
+
+template <class T>
+void sign_decode_range(const SignDecodeArgs& a, int64_t i0, int64_t i1) {
+  if (a.accumulate) {
+    sign_decode_range_impl<T, true>(a, i0, i1);
+  } else {
+    sign_decode_range_impl<T, false>(a, i0, i1);
+  }
+}
+
+// ----- qsgd --------------------------------------------------------------------------------------
+
+// Fields of [s, end) into tile[s .. end) and, with a residual, e = c - decode(w).
+template <class T, bool HasE>
+COMMPRESS_HD void qsgd_elems(const T* __restrict__ x, CT<T>* __restrict__ e, CT<T> norm, int levels,
+                             const CT<T>* ratio, uint64_t key, uint8_t* __restrict__ tile,
+                             int64_t s, int64_t end) {
+  const CT<T> sl = static_cast<CT<T>>(levels);
+  for (int64_t i = s; i < end; ++i) {
+    const Corrected<T, HasE> v(x[i], e, i);
+    const CT<T> u = static_cast<CT<T>>(rng_uniform(key, static_cast<uint64_t>(i)));
+    const bool ng = v.w < CT<T>(0);
+    const int level = qsgd_level<CT<T>>(fabs_(v.w), norm, sl, u);
+    const uint32_t f = qsgd_field(ng, level, levels);
+    tile[i] = static_cast<uint8_t>(f);
+    if constexpr (HasE) {
+      e[i] = v.c - decoded_value<T>(qsgd_value(norm, ratio[f]));
+    }
+  }
+}
+
+template <class T, bool HasE, int Bits>
+void qsgd_encode_range(const QsgdArgs& a, int64_t i0, int64_t i1) {
+  const T* __restrict__ x = static_cast<const T*>(a.x);
+  CT<T>* __restrict__ e = static_cast<CT<T>*>(a.e);
+  const CT<T>* __restrict__ norms = static_cast<const CT<T>*>(a.norms);
+  const int levels = a.levels;
+  CT<T> ratio[256];
+  for (int f = 0; f < 256; ++f) {
+    ratio[f] = qsgd_ratio<CT<T>>(static_cast<uint32_t>(f), levels);
+  }
+  alignas(64) uint8_t fields[kTile];
+#if COMMPRESS_AVX512
+  if constexpr (std::is_same_v<T, float>) {
+    if (use_fast<T>(a.bucket, a.n) && i0 % 16 == 0) {
+      for_segments(i0, i1, a.bucket, [&](int64_t s, int64_t end, int64_t b) {
+        const int64_t i = qsgd_encode_f32<HasE, Bits>(x, e, norms[b], levels, ratio, a.key,
+                                                            a.packed, s, end);
+        if (i < end) {
+          qsgd_elems<T, HasE>(x, e, norms[b], levels, ratio, a.key, fields - i, i, end);
+          pack_tile<Bits>(fields, end - i, a.packed + i / 8 * Bits);
+        }
+      });
+      return;
+    }
+  }
+#endif
+  for (int64_t t0 = i0; t0 < i1; t0 += kTile) {
+    const int64_t t1 = t0 + kTile < i1 ? t0 + kTile : i1;
+    for_segments(t0, t1, a.bucket, [&](int64_t s, int64_t end, int64_t b) {
+      qsgd_elems<T, HasE>(x, e, norms[b], levels, ratio, a.key, fields - t0, s, end);
+    });
+    pack_tile<Bits>(fields, t1 - t0, a.packed + t0 / 8 * Bits);
+  }
+}
+
+template <bool Acc, class T>
+COMMPRESS_HD void qsgd_decode_elems(const uint8_t* __restrict__ tile, CT<T> norm,
+                                    const CT<T>* ratio, T* __restrict__ out, int64_t s,
+                                    int64_t end) {
+  for (int64_t i = s; i < end; ++i) {
+    out[i] = decode_into<Acc, T>(out[i], qsgd_value(norm, ratio[tile[i]]));
+  }
+}
+
+template <class T, int Bits, bool Acc>
+void qsgd_decode_range_impl(const QsgdDecodeArgs& a, int64_t i0, int64_t i1) {
+  const CT<T>* __restrict__ norms = static_cast<const CT<T>*>(a.norms);
+  T* __restrict__ out = static_cast<T*>(a.out);
+  const int levels = a.levels;
+  // Every byte value has an entry, so even fields above 2s (which the wire decoder rejects)
+  // decode like the reference does, (f - s) / s, and never index past the table.
+  CT<T> ratio[256];
+  for (int f = 0; f < 256; ++f) {
+    ratio[f] = qsgd_ratio<CT<T>>(static_cast<uint32_t>(f), levels);
+  }
+  alignas(64) uint8_t fields[kTile];
+#if COMMPRESS_AVX512
+  if constexpr (std::is_same_v<T, float>) {
+    if (use_fast<T>(a.bucket, a.n) && i0 % 16 == 0) {
+      for_segments(i0, i1, a.bucket, [&](int64_t s, int64_t end, int64_t b) {
+        const int64_t i =
+            qsgd_decode_f32<Acc, Bits>(a.packed, norms[b], levels, ratio, out, s, end);
+        if (i < end) {
+          unpack_tile<Bits>(a.packed + i / 8 * Bits, end - i, fields);
+          qsgd_decode_elems<Acc, T>(fields - i, norms[b], ratio, out, i, end);
+        }
+      });
+      return;
+    }
+  }
+#endif
+  for (int64_t t0 = i0; t0 < i1; t0 += kTile) {
+    const int64_t t1 = t0 + kTile < i1 ? t0 + kTile : i1;
+    unpack_tile<Bits>(a.packed + t0 / 8 * Bits, t1 - t0, fields);
+    for_segments(t0, t1, a.bucket, [&](int64_t s, int64_t end, int64_t b) {
+      qsgd_decode_elems<Acc, T>(fields - t0, norms[b], ratio, out, s, end);
+    });
+  }
+}
+
+template <class T, int Bits>
+void qsgd_decode_range(const QsgdDecodeArgs& a, int64_t i0, int64_t i1) {
+  if (a.accumulate) {
+    qsgd_decode_range_impl<T, Bits, true>(a, i0, i1);
+  } else {
+    qsgd_decode_range_impl<T, Bits, false>(a, i0, i1);
+  }
+}
+
+// ----- top-k -------------------------------------------------------------------------------------
+
+template <class T>
+int64_t topk_compact(const void* xv, int64_t i0, int64_t i1, double threshold, int64_t* idx,
+                     double* mag, int64_t cap, std::atomic<bool>* bad) {
+  const T* __restrict__ x = static_cast<const T*>(xv);
+  const CT<T> thr = static_cast<CT<T>>(threshold);
+  constexpr int kStep = 16;
+  int64_t count = 0;
+  bool nonfinite = false;
+  auto keep = [&](int64_t i, CT<T>) {
+    if (count < cap) {
+      idx[count] = i;
+      if (mag != nullptr) {
+        mag[count] = static_cast<double>(Elem<T>::load(x[i]));
+      }
+    }
+    ++count;
+  };
+  int64_t i = i0;
+#if COMMPRESS_AVX512
+  if constexpr (std::is_same_v<T, float>) {
+    const __m512 vthr = _mm512_set1_ps(thr);
+    const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+    __mmask16 nf = 0;
+    for (; i + 16 <= i1; i += 16) {
+      const __m512 v = _mm512_abs_ps(_mm512_loadu_ps(x + i));
+      nf |= _mm512_cmp_ps_mask(v, inf, _CMP_NLT_UQ);  // Inf or NaN
+      unsigned hit = _mm512_cmp_ps_mask(v, vthr, _CMP_GE_OQ);
+      if (hit != 0) {
+        alignas(64) float m[16];
+        _mm512_store_ps(m, v);
+        for (; hit != 0; hit &= hit - 1) {
+          const int j = __builtin_ctz(hit);
+          keep(i + j, m[j]);
+        }
+      }
+    }
+    nonfinite |= nf != 0;
+  }
+#endif
+  for (; i + kStep <= i1; i += kStep) {
+    CT<T> m[kStep];
+    bool any = false;
+    bool nf = false;
+    for (int j = 0; j < kStep; ++j) {
+      m[j] = fabs_(Elem<T>::load(x[i + j]));
+      any |= m[j] >= thr;
+      nf |= !(m[j] <= Elem<T>::kMax);
+    }
+    nonfinite |= nf;
+    if (any) {
+      for (int j = 0; j < kStep; ++j) {
+        if (m[j] >= thr) {
+          keep(i + j, m[j]);
+        }
+      }
+    }
+  }
+  for (; i < i1; ++i) {
+    const CT<T> m = fabs_(Elem<T>::load(x[i]));
+    nonfinite |= !(m <= Elem<T>::kMax);
+    if (m >= thr) {
+      keep(i, m);
+    }
+  }
+  if (nonfinite) {
+    bad->store(true, std::memory_order_relaxed);
+  }
+  return count;
+}
+
+// ----- the table ---------------------------------------------------------------------------------
+
+template <int Kind, class T>
+constexpr SumFn sum_entry(bool has_e) {
+  return has_e ? &sum_groups<Kind, T, true> : &sum_groups<Kind, T, false>;
+}
+
+#define COMMPRESS_SUM_ROW(Kind)                                                               \
+  {                                                                                           \
+    {sum_entry<Kind, float>(false), sum_entry<Kind, float>(true)},                            \
+        {sum_entry<Kind, Half>(false), sum_entry<Kind, Half>(true)},                          \
+        {sum_entry<Kind, BFloat16>(false), sum_entry<Kind, BFloat16>(true)},                  \
+        {sum_entry<Kind, double>(false), sum_entry<Kind, double>(true)},                      \
+  }
+
+#define COMMPRESS_QSGD_ENC(T)                                                                 \
+  {                                                                                           \
+    {&qsgd_encode_range<T, false, 2>, &qsgd_encode_range<T, false, 4>,                        \
+     &qsgd_encode_range<T, false, 8>},                                                        \
+        {&qsgd_encode_range<T, true, 2>, &qsgd_encode_range<T, true, 4>,                      \
+         &qsgd_encode_range<T, true, 8>},                                                     \
+  }
+
+#define COMMPRESS_QSGD_DEC(T) \
+  { &qsgd_decode_range<T, 2>, &qsgd_decode_range<T, 4>, &qsgd_decode_range<T, 8> }
+
+}  // namespace
+
+extern const Kernels table;
+const Kernels table = {
+    COMMPRESS_ISA_NAME,
+    {COMMPRESS_SUM_ROW(kSumAbs), COMMPRESS_SUM_ROW(kSumSquare),
+     COMMPRESS_SUM_ROW(kSumScaledSquare), COMMPRESS_SUM_ROW(kMaxAbs)},
+    {{&sign_encode_range<float, false>, &sign_encode_range<float, true>},
+     {&sign_encode_range<Half, false>, &sign_encode_range<Half, true>},
+     {&sign_encode_range<BFloat16, false>, &sign_encode_range<BFloat16, true>},
+     {&sign_encode_range<double, false>, &sign_encode_range<double, true>}},
+    {&sign_decode_range<float>, &sign_decode_range<Half>, &sign_decode_range<BFloat16>,
+     &sign_decode_range<double>},
+    {COMMPRESS_QSGD_ENC(float), COMMPRESS_QSGD_ENC(Half), COMMPRESS_QSGD_ENC(BFloat16),
+     COMMPRESS_QSGD_ENC(double)},
+    {COMMPRESS_QSGD_DEC(float), COMMPRESS_QSGD_DEC(Half), COMMPRESS_QSGD_DEC(BFloat16),
+     COMMPRESS_QSGD_DEC(double)},
+    {&topk_compact<float>, &topk_compact<Half>, &topk_compact<BFloat16>, &topk_compact<double>},
+};
+
+#undef COMMPRESS_SUM_ROW
+#undef COMMPRESS_QSGD_ENC
+#undef COMMPRESS_QSGD_DEC
+
+}  // namespace COMMPRESS_ISA_NS
+}  // namespace cpu
+}  // namespace commpress
+// NOLINTEND(build/namespaces)

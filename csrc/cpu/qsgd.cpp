@@ -1,0 +1,174 @@
+// CPU kernels of commpress::qsgd_encode and commpress::qsgd_decode (schemas in
+// registration.cpp; specification: commpress/codecs/qsgd.py).
+//
+// Encode is two passes, like sign_encode (see sign.cpp): bucket norms in the fixed summation
+// order (float64 input: a max pass first, then the sum of (w / max)^2), validated before
+// pass 2 quantises with the counter-based RNG, packs the fields and updates the residual.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <cmath>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "../checks.h"
+#include "commpress/bitpack.h"
+#include "commpress/hd.h"
+#include "commpress/rng.h"
+#include "common.h"
+
+namespace commpress {
+namespace {
+
+// Writes the norms; returns 0 when all are finite and fit x's dtype (at most `limit`), 1 when
+// one is NaN/Inf, 2 when one exceeds `limit`.
+template <class S>
+int write_norms(const std::vector<double>& sums, const std::vector<double>* amax,
+                const cpu::BlockLayout& layout, double limit, S* norms) {
+  std::atomic<bool> nonfinite{false};
+  std::atomic<bool> too_big{false};
+  at::parallel_for(0, layout.nblocks, 4096, [&](int64_t b0, int64_t b1) {
+    bool nf = false;
+    bool big = false;
+    for (int64_t b = b0; b < b1; ++b) {
+      double v = std::sqrt(sums[static_cast<size_t>(b)]);
+      if (amax != nullptr) {
+        v *= (*amax)[static_cast<size_t>(b)];
+      }
+      const S norm = static_cast<S>(v);
+      norms[b] = norm;
+      nf |= !std::isfinite(norm);
+      big |= static_cast<double>(norm) > limit;
+    }
+    if (nf) {
+      nonfinite.store(true, std::memory_order_relaxed);
+    }
+    if (big) {
+      too_big.store(true, std::memory_order_relaxed);
+    }
+  });
+  return nonfinite.load() ? 1 : too_big.load() ? 2 : 0;
+}
+
+template <class S>
+double first_above(const S* norms, int64_t count, double limit) {
+  for (int64_t b = 0; b < count; ++b) {
+    if (static_cast<double>(norms[b]) > limit) {
+      return static_cast<double>(norms[b]);
+    }
+  }
+  return limit;
+}
+
+double dtype_max(DType dtype) {
+  switch (dtype) {
+    case kF16: return 65504.0;
+    case kBF16: return 3.3895313892515355e38;
+    case kF32: return 3.4028234663852886e38;
+    default: return 1.7976931348623157e308;
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> qsgd_encode_cpu(const at::Tensor& x,
+                                                   const std::optional<at::Tensor>& residual,
+                                                   int64_t bits, int64_t levels,
+                                                   int64_t bucket_size, int64_t seed) {
+  static constexpr const char* op = "qsgd_encode";
+  check_vector(op, "x", x, c10::DeviceType::CPU);
+  const DType dtype = float_code(op, "x", x);
+  check_qsgd_params(op, bits, levels, bucket_size);
+  const at::Tensor* e = residual.has_value() ? &*residual : nullptr;
+  if (e != nullptr) {
+    check_residual(op, *e, x);
+  }
+  const int64_t n = x.numel();
+  const at::ScalarType ct = compute_type(x.scalar_type());
+  const cpu::BlockLayout layout(n, bucket_size);
+  at::Tensor norms = at::empty({layout.nblocks}, x.options().dtype(ct));
+  at::Tensor packed = at::empty({packed_nbytes(n, bits)}, x.options().dtype(at::kByte));
+  if (n == 0) {
+    return {norms, packed};
+  }
+  const void* xp = x.const_data_ptr();
+  void* ep = e != nullptr ? e->data_ptr() : nullptr;
+
+  std::atomic<bool> bad{false};
+  std::vector<double> amax;
+  std::vector<double> sums;
+  if (dtype == kF64) {
+    // Squares of float64 values can overflow: divide by the bucket's max magnitude first.
+    amax = cpu::block_reduce(cpu::kMaxAbs, dtype, xp, ep, nullptr, layout, &bad);
+    if (!bad.load()) {
+      sums = cpu::block_reduce(cpu::kSumScaledSquare, dtype, xp, ep, amax.data(), layout, &bad);
+    }
+  } else {
+    sums = cpu::block_reduce(cpu::kSumSquare, dtype, xp, ep, nullptr, layout, &bad);
+  }
+  TORCH_CHECK(!bad.load(), op, ": ", e != nullptr ? "x + residual" : "x",
+              " contains NaN or Inf (non-finite input; nothing was written)");
+  const std::vector<double>* scale = dtype == kF64 ? &amax : nullptr;
+  const double limit = dtype_max(dtype);
+  const int status =
+      ct == at::kDouble
+          ? write_norms(sums, scale, layout, limit, norms.mutable_data_ptr<double>())
+          : write_norms(sums, scale, layout, limit, norms.mutable_data_ptr<float>());
+  TORCH_CHECK(status != 1, op, ": a bucket norm overflows ", ct,
+              " (NaN or Inf norm; nothing was written)");
+  TORCH_CHECK(status != 2, op, ": a bucket norm ",
+              first_above(norms.const_data_ptr<float>(), layout.nblocks, limit), " exceeds ",
+              x.scalar_type(), "'s range; use a smaller bucket_size (nothing was written)");
+
+  const cpu::QsgdArgs args{xp,
+                           ep,
+                           norms.const_data_ptr(),
+                           packed.mutable_data_ptr<uint8_t>(),
+                           n,
+                           bucket_size,
+                           static_cast<int>(levels),
+                           rng_key(seed_bits(seed), kStreamQSGD)};
+  const cpu::QsgdEncodeFn fn =
+      cpu::kernels().qsgd_encode[dtype][e != nullptr ? 1 : 0][cpu::qsgd_bits_index(bits)];
+  cpu::parallel_elements(n, cpu::kTaskElems, [&](int64_t i0, int64_t i1) { fn(args, i0, i1); });
+  return {norms, packed};
+}
+
+void qsgd_decode_cpu(const at::Tensor& norms, const at::Tensor& packed, int64_t bits,
+                     int64_t levels, int64_t bucket_size, const at::Tensor& out,
+                     bool accumulate) {
+  static constexpr const char* op = "qsgd_decode";
+  check_vector(op, "out", out, c10::DeviceType::CPU);
+  const DType dtype = float_code(op, "out", out);
+  check_qsgd_params(op, bits, levels, bucket_size);
+  check_vector(op, "norms", norms, c10::DeviceType::CPU);
+  check_dtype(op, "norms", norms, compute_type(out.scalar_type()));
+  check_vector(op, "packed", packed, c10::DeviceType::CPU);
+  check_dtype(op, "packed", packed, at::kByte);
+  const int64_t n = out.numel();
+  TORCH_CHECK(norms.numel() == n_blocks(n, bucket_size), op, ": norms has ", norms.numel(),
+              " elements, ", n, " outputs in buckets of ", bucket_size, " need ",
+              n_blocks(n, bucket_size));
+  TORCH_CHECK(packed.numel() == packed_nbytes(n, bits), op, ": packed has ", packed.numel(),
+              " bytes, ", n, " fields of bits=", bits, " need ", packed_nbytes(n, bits));
+  if (n == 0) {
+    return;
+  }
+  const cpu::QsgdDecodeArgs args{norms.const_data_ptr(), packed.const_data_ptr<uint8_t>(),
+                                 out.data_ptr(),         n,
+                                 bucket_size,            static_cast<int>(levels),
+                                 accumulate};
+  const cpu::QsgdDecodeFn fn = cpu::kernels().qsgd_decode[dtype][cpu::qsgd_bits_index(bits)];
+  cpu::parallel_elements(n, cpu::kTaskElems, [&](int64_t i0, int64_t i1) { fn(args, i0, i1); });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(commpress, CPU, m) {
+  m.impl("qsgd_encode", &qsgd_encode_cpu);
+  m.impl("qsgd_decode", &qsgd_decode_cpu);
+}
+
+}  // namespace commpress

@@ -1,0 +1,236 @@
+// CUDA kernels of the QSGD codec (specification: commpress/codecs/qsgd.py), with C launchers
+// (declared in launchers.h). Plain CUDA: `nvcc -c -I csrc/include` compiles it anywhere.
+//
+// Encode: bucket norms (block_sums.cuh; float64 input: a max pass, then sums of (w / max)^2),
+// then one thread per element draws its uniform from the counter-based RNG
+// (include/commpress/rng.h: same seed, same bits as the CPU), quantises, and the fields of 32
+// lanes are OR-ed into 32-bit words with shuffles (LSB-first, like commpress/bitpack.py).
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "block_sums.cuh"
+#include "commpress/bitpack.h"
+#include "commpress/codec_cores.h"
+#include "commpress/hd.h"
+#include "commpress/rng.h"
+#include "common.cuh"
+#include "launchers.h"
+
+namespace commpress {
+namespace cuda {
+namespace {
+
+template <class T>
+__global__ void qsgd_finalize_kernel(const double* __restrict__ sums,
+                                     const double* __restrict__ amax, Layout l, double limit,
+                                     typename Elem<T>::compute* __restrict__ norms,
+                                     int* __restrict__ flags) {
+  using CT = typename Elem<T>::compute;
+  for (int64_t b = global_thread(); b < l.nblocks; b += grid_stride()) {
+    double v = sqrt(sums[b]);  // IEEE correctly rounded, like std::sqrt and numpy
+    if (amax != nullptr) {
+      v = __dmul_rn(v, amax[b]);
+    }
+    const CT norm = static_cast<CT>(v);
+    norms[b] = norm;
+    const double d = static_cast<double>(norm);
+    if (!(fabs(d) <= 1.7976931348623157e308)) {
+      atomicOr(flags, kFlagOverflow);
+    } else if (d > limit) {
+      atomicOr(flags, kFlagTooBig);
+    }
+  }
+}
+
+template <class T, bool HasE, int Bits>
+__global__ void qsgd_encode_kernel(const T* __restrict__ x, typename Elem<T>::compute* __restrict__ e,
+                                   const typename Elem<T>::compute* __restrict__ norms, Layout l,
+                                   int levels, uint64_t key, uint8_t* __restrict__ packed,
+                                   const int* __restrict__ flags) {
+  using CT = typename Elem<T>::compute;
+  if (*flags != 0) {
+    return;  // invalid input: write nothing (the residual stays as it was)
+  }
+  constexpr int kPerWord = 32 / Bits;  // fields per 32-bit output word
+  const unsigned lane = lane_id();
+  const CT s = static_cast<CT>(levels);
+  const int64_t nwords = (l.n + kWarp - 1) / kWarp;
+  const int64_t nbytes = (l.n * Bits + 7) / 8;
+  const int64_t nwarps = grid_stride() / kWarp;
+  for (int64_t w = global_thread() / kWarp; w < nwords; w += nwarps) {
+    const int64_t first = w * kWarp;
+    const int64_t i = first + lane;
+    const int64_t b = lane_block(first, i < l.n ? i : l.n - 1, l);
+    uint32_t field = 0;  // padding fields are zero
+    if (i < l.n) {
+      const Corrected<T, HasE> v(x[i], e, i);
+      const CT norm = norms[b];
+      const CT u = static_cast<CT>(rng_uniform(key, static_cast<uint64_t>(i)));
+      const int level = qsgd_level<CT>(fabs(v.w), norm, s, u);
+      field = qsgd_field(v.w < CT(0), level, levels);
+      if constexpr (HasE) {
+        e[i] = v.c - decoded_value<T>(qsgd_value(norm, qsgd_ratio<CT>(field, levels)));
+      }
+    }
+    uint32_t word = field << (Bits * (lane % kPerWord));
+    for (int o = kPerWord / 2; o >= 1; o /= 2) {
+      word |= __shfl_down_sync(kFullMask, word, o);
+    }
+    if (lane % kPerWord == 0) {
+      store_word(packed, i * Bits / 8, nbytes, word);
+    }
+  }
+}
+
+template <class T, int Bits, bool Accumulate>
+__global__ void qsgd_decode_kernel(const typename Elem<T>::compute* __restrict__ norms,
+                                   const uint8_t* __restrict__ packed, Layout l, int levels,
+                                   T* __restrict__ out) {
+  using CT = typename Elem<T>::compute;
+  __shared__ CT ratio[256];  // (f - s) / s for every byte value, as the reference computes it
+  for (int f = threadIdx.x; f < 256; f += blockDim.x) {
+    ratio[f] = qsgd_ratio<CT>(static_cast<uint32_t>(f), levels);
+  }
+  __syncthreads();
+  const int64_t nwords = (l.n + kWarp - 1) / kWarp;
+  const int64_t nwarps = grid_stride() / kWarp;
+  for (int64_t w = global_thread() / kWarp; w < nwords; w += nwarps) {
+    const int64_t first = w * kWarp;
+    const int64_t i = first + lane_id();
+    const int64_t b = lane_block(first, i < l.n ? i : l.n - 1, l);
+    if (i < l.n) {
+      const uint8_t f = unpack_field<Bits>(packed, i);
+      out[i] = decode_into<Accumulate, T>(out[i], qsgd_value(norms[b], ratio[f]));
+    }
+  }
+}
+
+template <class T, bool HasE>
+cudaError_t launch_encode(int bits, int grid, const T* x, typename Elem<T>::compute* e,
+                          const typename Elem<T>::compute* norms, const Layout& l, int levels,
+                          uint64_t key, uint8_t* packed, const int* flags, cudaStream_t stream) {
+  switch (bits) {
+    case 2:
+      qsgd_encode_kernel<T, HasE, 2><<<grid, kThreads, 0, stream>>>(x, e, norms, l, levels, key, packed, flags);
+      break;
+    case 4:
+      qsgd_encode_kernel<T, HasE, 4><<<grid, kThreads, 0, stream>>>(x, e, norms, l, levels, key, packed, flags);
+      break;
+    default:
+      qsgd_encode_kernel<T, HasE, 8><<<grid, kThreads, 0, stream>>>(x, e, norms, l, levels, key, packed, flags);
+      break;
+  }
+  return cudaGetLastError();
+}
+
+template <class T, bool HasE>
+cudaError_t reduce_norms(const T* x, typename Elem<T>::compute* e, const Layout& l,
+                         double* scratch, int* flags, cudaStream_t stream, const double** sums,
+                         const double** amax) {
+  *amax = nullptr;
+  if constexpr (std::is_same<T, double>::value) {
+    // squares of float64 can overflow: divide by the bucket's max magnitude first
+    const cudaError_t err = launch_block_reduce<kMaxAbs, T, HasE>(x, e, nullptr, l, scratch,
+                                                                  flags, stream, amax);
+    if (err != cudaSuccess) {
+      return err;
+    }
+    double* second = scratch + reduce_scratch(l) + 1;
+    return launch_block_reduce<kSumScaledSquare, T, HasE>(x, e, *amax, l, second, flags, stream,
+                                                          sums);
+  } else {
+    return launch_block_reduce<kSumSquare, T, HasE>(x, e, nullptr, l, scratch, flags, stream,
+                                                    sums);
+  }
+}
+
+template <class T>
+cudaError_t qsgd_encode(const void* xv, void* ev, int64_t n, int bits, int levels, int64_t bucket,
+                        uint64_t seed, double limit, void* normsv, uint8_t* packed,
+                        double* scratch, int* flags, cudaStream_t stream) {
+  using CT = typename Elem<T>::compute;
+  const T* x = static_cast<const T*>(xv);
+  CT* e = static_cast<CT*>(ev);
+  CT* norms = static_cast<CT*>(normsv);
+  const Layout l = make_layout(n, bucket);
+  cudaError_t err = cudaMemsetAsync(flags, 0, sizeof(int), stream);
+  if (err != cudaSuccess || n == 0) {
+    return err;
+  }
+  const double* sums = nullptr;
+  const double* amax = nullptr;
+  err = e != nullptr ? reduce_norms<T, true>(x, e, l, scratch, flags, stream, &sums, &amax)
+                     : reduce_norms<T, false>(x, e, l, scratch, flags, stream, &sums, &amax);
+  if (err != cudaSuccess) {
+    return err;
+  }
+  qsgd_finalize_kernel<T><<<blocks_for(l.nblocks), kThreads, 0, stream>>>(sums, amax, l, limit,
+                                                                          norms, flags);
+  if ((err = cudaGetLastError()) != cudaSuccess) {
+    return err;
+  }
+  const int grid = blocks_for(((n + kWarp - 1) / kWarp) * kWarp);
+  const uint64_t key = rng_key(seed, kStreamQSGD);
+  return e != nullptr
+             ? launch_encode<T, true>(bits, grid, x, e, norms, l, levels, key, packed, flags, stream)
+             : launch_encode<T, false>(bits, grid, x, e, norms, l, levels, key, packed, flags, stream);
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace commpress
+
+extern "C" {
+
+cudaError_t commpress_qsgd_encode_cuda(const void* x, int dtype, void* residual, int64_t n,
+                                       int bits, int levels, int64_t bucket, uint64_t seed,
+                                       double limit, void* norms, uint8_t* packed,
+                                       double* scratch, int* flags, cudaStream_t stream) {
+  if (n < 0 || bucket < 1 || (bits != 2 && bits != 4 && bits != 8) || levels < 1 ||
+      levels > (1 << (bits - 1)) - 1) {
+    return cudaErrorInvalidValue;
+  }
+  return commpress::cuda::dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    return commpress::cuda::qsgd_encode<T>(x, residual, n, bits, levels, bucket, seed, limit, norms,
+                                           packed, scratch, flags, stream);
+  });
+}
+
+cudaError_t commpress_qsgd_decode_cuda(const void* norms, const uint8_t* packed, int64_t n,
+                                       int bits, int levels, int64_t bucket, int dtype,
+                                       void* out, int accumulate, cudaStream_t stream) {
+  using namespace commpress::cuda;
+  if (n < 0 || bucket < 1 || (bits != 2 && bits != 4 && bits != 8) || levels < 1) {
+    return cudaErrorInvalidValue;
+  }
+  if (n == 0) {
+    return cudaSuccess;
+  }
+  const Layout l = make_layout(n, bucket);
+  const int grid = blocks_for(((n + kWarp - 1) / kWarp) * kWarp);
+  return dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    using CT = typename commpress::Elem<T>::compute;
+    const CT* nm = static_cast<const CT*>(norms);
+    T* o = static_cast<T*>(out);
+    const auto launch = [&](auto acc) {
+      constexpr bool kAcc = decltype(acc)::value;
+      switch (bits) {
+        case 2: qsgd_decode_kernel<T, 2, kAcc><<<grid, kThreads, 0, stream>>>(nm, packed, l, levels, o); break;
+        case 4: qsgd_decode_kernel<T, 4, kAcc><<<grid, kThreads, 0, stream>>>(nm, packed, l, levels, o); break;
+        default: qsgd_decode_kernel<T, 8, kAcc><<<grid, kThreads, 0, stream>>>(nm, packed, l, levels, o); break;
+      }
+    };
+    if (accumulate) {
+      launch(std::true_type{});
+    } else {
+      launch(std::false_type{});
+    }
+    return cudaGetLastError();
+  });
+}
+
+}  // extern "C"

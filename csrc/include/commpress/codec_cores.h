@@ -1,0 +1,97 @@
+// Per-element cores of the sign and QSGD codecs, shared by the CPU and CUDA kernels.
+//
+// The specification is the pure-torch reference in commpress/codecs/{sign,qsgd}.py; each
+// function below is one element of it, with the same operations in the same precision, so the
+// kernels agree with it bit for bit. T is the storage dtype, CT = Elem<T>::compute the
+// arithmetic type (float32, or float64 for float64 input), which is also the residual dtype.
+#pragma once
+
+#include <cstdint>
+
+#include "commpress/hd.h"
+
+namespace commpress {
+
+// Error feedback input: c = x.to(CT) + e (or x alone), and w = c rounded to x's dtype, the
+// value that is actually encoded (commpress/feedback.py: corrected, wire_input).
+template <class T, bool HasE>
+struct Corrected {
+  using CT = typename Elem<T>::compute;
+  CT c;
+  CT w;
+  COMMPRESS_HD Corrected(T x, const CT* e, int64_t i) {
+    if constexpr (HasE) {
+      c = Elem<T>::load(x) + e[i];
+      w = round_trip<T>(c);
+    } else {
+      c = Elem<T>::load(x);
+      w = c;
+    }
+  }
+};
+
+// What torch's `zeros(dtype).add_(v.to(dtype))` leaves: v rounded to T, with -0 made +0.
+// Decoding into a fresh output adds to +0; error feedback subtracts exactly this value.
+template <class T>
+COMMPRESS_HD typename Elem<T>::compute decoded_value(typename Elem<T>::compute v) {
+  using CT = typename Elem<T>::compute;
+  return round_trip<T>(v) + CT(0);
+}
+
+// out += v.to(T) in T's arithmetic (float for the 16-bit formats), like torch's add_.
+template <class T>
+COMMPRESS_HD T accumulate(T out, typename Elem<T>::compute v) {
+  return Elem<T>::store(Elem<T>::load(out) + Elem<T>::load(Elem<T>::store(v)));
+}
+
+// The decoded element written to out: added to it, or stored as a fresh decode into zeros would
+// leave it (v rounded to T, -0 as +0).
+template <bool Accumulate, class T>
+COMMPRESS_HD T decode_into(T out, typename Elem<T>::compute v) {
+  if constexpr (Accumulate) {
+    return accumulate<T>(out, v);
+  } else {
+    (void)out;
+    return Elem<T>::store(decoded_value<T>(v));
+  }
+}
+
+// ----- sign ------------------------------------------------------------------------------
+// Bit 1 for w < 0 (so 0 and -0 decode to +scale); decoded element = +-scale.
+template <class CT>
+COMMPRESS_HD CT sign_value(bool negative, CT scale) {
+  return negative ? -scale : scale;
+}
+
+// ----- qsgd ------------------------------------------------------------------------------
+// Level in [0, s] of |w| in a bucket of norm `norm` with uniform u:
+//   a = |w| / norm (0 when norm == 0), t = a * s, l = floor(t) + [u < t - floor(t)], min(l, s).
+template <class CT>
+COMMPRESS_HD int qsgd_level(CT absw, CT norm, CT s, CT u) {
+  const CT a = norm > CT(0) ? absw / norm : CT(0);
+  const CT t = mul_rn(a, s);
+  // t is finite and in [0, s * (1 + eps)], so truncation is floor (and vectorises on every ISA).
+  const CT fl = static_cast<CT>(static_cast<int>(t));
+  CT level = fl + (u < t - fl ? CT(1) : CT(0));
+  level = level < s ? level : s;
+  return static_cast<int>(level);
+}
+
+// Field written for w: signed level + s, in [0, 2s].
+COMMPRESS_HD uint32_t qsgd_field(bool negative, int level, int s) {
+  return static_cast<uint32_t>((negative ? -level : level) + s);
+}
+
+// Decoded element of a field: norm * ((field - s) / s), each step rounded in CT. `ratio` is
+// (field - s) / s, precomputed per field value by the kernels (same division, same result).
+template <class CT>
+COMMPRESS_HD CT qsgd_ratio(uint32_t field, int s) {
+  return (static_cast<CT>(field) - static_cast<CT>(s)) / static_cast<CT>(s);
+}
+
+template <class CT>
+COMMPRESS_HD CT qsgd_value(CT norm, CT ratio) {
+  return mul_rn(norm, ratio);
+}
+
+}  // namespace commpress
