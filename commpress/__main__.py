@@ -1,4 +1,4 @@
-"""Command line: ``python -m commpress {info,train,ps}`` (also installed as ``commpress``).
+"""Command line: ``python -m commpress {info,train,bench,ps}`` (also installed as ``commpress``).
 
 Exit codes: 0 success, 2 usage error (argparse), 1 a run that failed (message on stderr).
 """
@@ -28,8 +28,14 @@ def main(argv: list[str] | None = None) -> int:
     p_train.add_argument("--batch", type=int, default=16, help="sequences per worker and step (default 16)")
     p_train.add_argument("--out", default="out", help="folder for the plot (default ./out)")
     p_train.add_argument("--no-baseline", action="store_true", help="skip the dense run")
+    sub.add_parser("bench", add_help=False, help="kernel benchmark: native vs copy_, reference, torch.topk (--help)")
     sub.add_parser("ps", add_help=False, help="parameter-server training under mpirun (python -m commpress.ps --help)")
     args, rest = parser.parse_known_args(argv)
+    if args.command == "bench":
+        from .bench_kernels import main as bench_main
+
+        bench_main(rest)
+        return 0
     if args.command == "ps":
         from .ps.__main__ import main as ps_main
 

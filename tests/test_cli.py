@@ -25,7 +25,7 @@ def test_train_rejects_bad_codec_and_params():
 
 
 def test_help_everywhere():
-    for args in (["--help"], ["info", "--help"], ["train", "--help"]):
+    for args in (["--help"], ["info", "--help"], ["train", "--help"], ["bench", "--help"]):
         proc = run(*args)
         assert proc.returncode == 0 and "usage:" in proc.stdout
 

@@ -1,0 +1,273 @@
+"""Codec kernels vs memory bandwidth, vs the pure-torch reference and vs torch.topk.
+
+    python scripts/bench_kernels.py [--device cpu|cuda] [--sizes 1M 16M 64M] [--threads 1 all]
+                                    [--min-run-time 0.5] [--markdown FILE]
+
+For every size and thread count it times, on the same float32 input:
+
+* ``copy_`` of the tensor: the bandwidth ceiling (GB/s = bytes read + bytes written);
+* every native op (fused error feedback + sign encode, sign decode-accumulate, fused error
+  feedback + 4-bit QSGD encode, QSGD decode-accumulate, top-k at 1%, scatter-add of 4 top-k
+  payloads, random-k gather and scatter at 1%), with its effective bandwidth counted the same
+  way (the bytes the op must read and write, listed in the ``bytes/elt`` column) and that as a
+  percentage of ``copy_``;
+* the pure-torch reference of the op (the specification in commpress/codecs/*.py: the naive
+  chain of torch ops) and, for top-k, ``torch.topk``; the speed-ups are native vs those.
+
+Then it checks the issue's targets and prints which are met. Times are medians of
+torch.utils.benchmark's blocked_autorange (CUDA synchronised); a reference slower than a
+second is timed once. The times include allocating the outputs: on Linux with 4 KiB pages the
+first touch of a fresh multi-MB output costs page faults (about 10 ms for the 32 MB of a 64M
+4-bit QSGD packet); ``THP_MEM_ALLOC_ENABLE=1`` (torch's switch for huge pages in its CPU
+allocator) removes most of that, so the script reports which setting it ran with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils.benchmark import Timer
+
+from . import ops
+from .codecs import qsgd as qsgd_ref
+from .codecs import randomk as randomk_ref
+from .codecs import sign as sign_ref
+from .codecs import topk as topk_ref
+
+SIZES = {"1M": 1 << 20, "16M": 1 << 24, "64M": 1 << 26}
+BUCKET = 512  # QSGD bucket size
+DENSITY = 0.01  # top-k / random-k
+
+
+@dataclass
+class Row:
+    """One measured op at one size and thread count."""
+
+    size: str
+    threads: str
+    op: str
+    ms: float
+    bytes_per_elt: float | None = None
+    gbps: float | None = None
+    pct_copy: float | None = None
+    ref_ms: float | None = None
+    topk_ms: float | None = None
+    note: str = ""
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def vs_ref(self) -> float | None:
+        """Speed-up over the pure-torch reference."""
+        return None if self.ref_ms is None else self.ref_ms / self.ms
+
+    @property
+    def vs_topk(self) -> float | None:
+        """Speed-up over torch.topk."""
+        return None if self.topk_ms is None else self.topk_ms / self.ms
+
+
+def timed(fn: Callable[[], object], min_run_time: float) -> float:
+    """Median seconds per call; a call slower than 1 s is timed once (after a warm-up run)."""
+    fn()
+    start = time.perf_counter()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    once = time.perf_counter() - start
+    if once > 1.0:
+        return once
+    return Timer(stmt="fn()", globals={"fn": fn}).blocked_autorange(min_run_time=min_run_time).median
+
+
+def machine(device: str) -> str:
+    """A one-line description of the CPU or GPU."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    text = f"{cpu}, {os.cpu_count()} logical CPUs"
+    if device == "cuda":
+        text += f"; GPU {torch.cuda.get_device_name()}"
+    return text
+
+
+def bench_size(
+    device: str, label: str, n: int, threads: str, mrt: float, with_ref: bool, only: list[str]
+) -> list[Row]:
+    """Time every op on one size and thread count."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, generator=g).to(device)
+    e = (torch.randn(n, generator=g) * 0.1).to(device)
+    out = torch.zeros(n, device=device)
+    dst = torch.empty(n, device=device)
+    k = max(1, int(n * DENSITY))
+    rows: list[Row] = []
+
+    copy_s = timed(lambda: dst.copy_(x), mrt)
+    copy_gbps = 8 * n / copy_s / 1e9
+    rows.append(Row(label, threads, "copy_", copy_s * 1e3, 8, copy_gbps, 100.0))
+
+    c = torch.ops.commpress
+    scales, bits = c.sign_encode(x, None, 0)
+    norms, packed = c.qsgd_encode(x, None, 4, 7, BUCKET, 1)
+    tk_idx, tk_val = c.topk_select(x, k)
+    payloads = [c.topk_select(torch.roll(x, 7919 * p), k) for p in range(4)]
+    rk_vals = c.randomk_gather(x, k, 3, False)
+    e_ref = e.clone()
+    out_ref = out.clone()
+
+    cases: list[tuple[str, Callable[[], object], Callable[[], object] | None, float]] = [
+        ("sign encode + EF (fused)", lambda: c.sign_encode(x, e, 0),
+         lambda: sign_ref.encode_reference(x, 0, e_ref), 12 + 1 / 8),
+        ("sign decode-accumulate", lambda: c.sign_decode(scales, bits, 0, out),
+         lambda: sign_ref.decode_reference(scales, bits, 0, out_ref), 8 + 1 / 8),
+        ("qsgd 4-bit encode + EF (fused)", lambda: c.qsgd_encode(x, e, 4, 7, BUCKET, 1),
+         lambda: qsgd_ref.encode_reference(x, 4, 7, BUCKET, 1, e_ref), 12 + 1 / 2 + 4 / BUCKET),
+        ("qsgd 4-bit decode-accumulate", lambda: c.qsgd_decode(norms, packed, 4, 7, BUCKET, out),
+         lambda: qsgd_ref.decode_reference(norms, packed, 4, 7, BUCKET, out_ref), 8 + 1 / 2 + 4 / BUCKET),
+        ("top-k 1% select", lambda: c.topk_select(x, k),
+         lambda: topk_ref.select_reference(x, k), 4 + 8 * DENSITY),
+        ("top-k scatter-add 4 x 1%", lambda: c.sparse_scatter_add([p[0] for p in payloads], [p[1] for p in payloads], out),
+         lambda: topk_ref.scatter_add_reference([p[0] for p in payloads], [p[1] for p in payloads], out_ref),
+         4 * DENSITY * (4 + 4 + 8)),
+        ("random-k 1% gather", lambda: c.randomk_gather(x, k, 3, False),
+         lambda: randomk_ref.gather_reference(x, k, 3, False), 4 + 4 * DENSITY),
+        ("random-k 1% scatter-add", lambda: c.randomk_scatter_add(rk_vals, 3, out),
+         lambda: randomk_ref.scatter_add_reference(rk_vals, 3, out_ref), DENSITY * 12),
+    ]  # fmt: skip
+    for name, native, reference, per_elt in cases:
+        if only and not any(o in name for o in only):
+            continue
+        s = timed(native, mrt)
+        gbps = per_elt * n / s / 1e9
+        row = Row(label, threads, name, s * 1e3, per_elt, gbps, 100 * gbps / copy_gbps)
+        if with_ref and reference is not None:
+            row.ref_ms = timed(reference, mrt) * 1e3
+        if name.startswith("top-k 1% select"):
+            row.topk_ms = timed(lambda: torch.topk(x.abs(), k, sorted=False), mrt) * 1e3
+            want = topk_ref.select_reference(x, k)
+            got = c.topk_select(x, k)
+            exact = torch.equal(got[0].cpu(), want[0].cpu()) and torch.equal(got[1].cpu(), want[1].cpu())
+            same_set = torch.equal(
+                got[1].abs().sort().values.cpu(), torch.topk(x.abs(), k).values.sort().values.cpu()
+            )
+            row.note = "exact" if exact and same_set else "NOT EXACT"
+        rows.append(row)
+    return rows
+
+
+def fmt(v: float | None, spec: str) -> str:
+    """Format a number, '-' for missing."""
+    return "-" if v is None else format(v, spec)
+
+
+def table(rows: list[Row], markdown: bool) -> str:
+    """The result table as plain text or markdown."""
+    head = ["size", "threads", "op", "ms", "bytes/elt", "GB/s", "% of copy_", "reference ms", "x ref", "torch.topk ms", "x topk", "note"]
+    lines = []
+    body = [
+        [r.size, r.threads, r.op, fmt(r.ms, ".3f"), fmt(r.bytes_per_elt, ".3g"), fmt(r.gbps, ".1f"),
+         fmt(r.pct_copy, ".0f"), fmt(r.ref_ms, ".1f"), fmt(r.vs_ref, ".0f"), fmt(r.topk_ms, ".1f"),
+         fmt(r.vs_topk, ".0f"), r.note]
+        for r in rows
+    ]  # fmt: skip
+    if markdown:
+        lines.append("| " + " | ".join(head) + " |")
+        lines.append("|" + "|".join("---" if i < 3 else "---:" for i in range(len(head))) + "|")
+        lines += ["| " + " | ".join(b) + " |" for b in body]
+    else:
+        widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
+        lines.append("  ".join(h.ljust(w) for h, w in zip(head, widths)))
+        lines += ["  ".join(c.ljust(w) for c, w in zip(b, widths)) for b in body]
+    return "\n".join(lines)
+
+
+def targets(rows: list[Row], device: str) -> list[str]:
+    """The issue's goals, each with MET / MISSED and the measured value."""
+    out = []
+    goals = [("sign encode + EF (fused)", 70), ("sign decode-accumulate", 70), ("qsgd 4-bit encode + EF (fused)", 50)]
+    for r in rows:
+        for op, pct in goals:
+            if r.op == op:
+                ok = r.pct_copy is not None and r.pct_copy >= pct
+                out.append(f"{'MET   ' if ok else 'MISSED'} {r.size:>4} {r.threads:>3} thr  {op}: {r.pct_copy:.0f}% of copy_ (goal {pct}%)")
+                if r.vs_ref is not None:
+                    ok = r.vs_ref >= 10
+                    out.append(f"{'MET   ' if ok else 'MISSED'} {r.size:>4} {r.threads:>3} thr  {op}: {r.vs_ref:.0f}x the reference (goal 10x)")
+        if r.op == "top-k 1% select" and r.vs_topk is not None:
+            size, goal = ("16M", 10) if device == "cpu" else ("64M", 5)
+            if r.size == size:
+                ok = r.vs_topk >= goal and r.note == "exact"
+                out.append(f"{'MET   ' if ok else 'MISSED'} {r.size:>4} {r.threads:>3} thr  top-k 1%: {r.vs_topk:.0f}x torch.topk, {r.note} (goal {goal}x, exact)")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the kernel benchmark (``commpress bench`` / ``scripts/bench_kernels.py``)."""
+    parser = argparse.ArgumentParser(prog="commpress bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--threads", nargs="+", default=["1", "all"], help="CPU thread counts ('all' = every core)")
+    parser.add_argument("--min-run-time", type=float, default=0.5, help="seconds per measurement")
+    parser.add_argument("--no-reference", action="store_true", help="skip the (slow) pure-torch references")
+    parser.add_argument("--ops", nargs="+", default=[], help="only the ops whose name contains one of these")
+    parser.add_argument("--markdown", help="also write the table and target lines to this file")
+    args = parser.parse_args(argv)
+
+    reason = ops.load_native()
+    if reason is not None:
+        sys.exit(f"commpress._C is not available ({reason}); build it with pip install --no-build-isolation -e .")
+    missing = [op for op in ops.native_ops() if args.device not in ops.native_ops()[op]]
+    if missing:
+        sys.exit(f"no native {args.device} kernels for {missing}; rebuild the extension")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("--device cuda needs a CUDA GPU")
+
+    all_threads = os.cpu_count() or 1
+    thread_counts = ["-"] if args.device == "cuda" else args.threads
+    header = [
+        f"command: python {' '.join(sys.argv)}",
+        f"torch {torch.__version__} (CUDA {torch.version.cuda}), commpress CPU kernels: {ops.cpu_isa()}, "
+        f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}",
+        f"machine: {machine(args.device)}",
+    ]
+    print("\n".join(header), flush=True)
+    rows: list[Row] = []
+    for label in args.sizes:
+        for threads in thread_counts:
+            if args.device == "cpu":
+                torch.set_num_threads(all_threads if threads == "all" else int(threads))
+            shown = threads if args.device == "cpu" else "-"
+            if shown == "all":
+                shown = str(all_threads)
+            print(f"... {label} elements, threads {shown}", file=sys.stderr, flush=True)
+            rows += bench_size(
+                args.device, label, SIZES[label], shown, args.min_run_time, not args.no_reference, args.ops
+            )
+    print()
+    print(table(rows, markdown=False))
+    goal_lines = targets(rows, args.device)
+    print()
+    print("\n".join(goal_lines))
+    met = sum(line.startswith("MET") for line in goal_lines)
+    print(f"\n{met} of {len(goal_lines)} targets met; median % of copy_ over all encode/decode rows: "
+          f"{statistics.median(r.pct_copy for r in rows if r.pct_copy is not None and r.op != 'copy_'):.0f}%")
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write("\n".join(f"    {h}" for h in header) + "\n\n")
+            f.write(table(rows, markdown=True) + "\n\n")
+            f.write("\n".join(f"    {line}" for line in goal_lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
