@@ -244,13 +244,24 @@ class Codec(ABC):
         ``c`` is computed in :func:`compute_dtype` (the residual's dtype, float32 or float64)
         and rounded to ``grad``'s dtype before encoding; ``residual`` (None on the first step)
         has ``grad``'s shape. Returns None, leaving ``residual`` unchanged, when the rounded
-        ``c`` holds NaN or Inf (the caller skips the step). This default encodes, decodes and
-        subtracts; codecs with a fused kernel (sign, qsgd) override it to do all of that in one
-        pass and then update ``residual`` in place and return it as the new residual.
+        ``c`` holds NaN or Inf (the caller skips the step). Codecs with a fused kernel (sign,
+        qsgd) implement :meth:`_encode_fused`, which does all of that in one kernel and updates
+        ``residual`` in place (returned as the new residual); the others encode, decode and
+        subtract.
         """
         if not isinstance(grad, torch.Tensor):
             raise CodecError(f"grad must be a torch.Tensor, got {type(grad).__name__}")
         check_dtype(grad.dtype)
+        rng.check_seed(seed)
+        fused = self._fused_residual(grad, residual) if self.has_fused_feedback else None
+        if fused is not None:
+            flat = grad.reshape(-1).contiguous()
+            params = self.wire_params(flat.numel())
+            try:
+                sections = self._encode_fused(flat, params, seed, fused.view(-1))
+            except NonFiniteError:
+                return None
+            return Packet(self.name, grad.dtype, flat.numel(), params, seed, sections), fused
         rdt = compute_dtype(grad.dtype)
         corrected = grad.to(rdt, copy=True) if residual is None else grad.to(rdt) + residual
         wire_input = corrected.to(grad.dtype)
@@ -259,6 +270,18 @@ class Codec(ABC):
         packet = self.encode(wire_input, seed=seed)
         decoded = self.decode(packet).view(grad.shape)
         return packet, corrected.sub_(decoded.to(rdt))
+
+    #: True for codecs that implement :meth:`_encode_fused`.
+    has_fused_feedback: ClassVar[bool] = False
+
+    def _encode_fused(
+        self, flat: torch.Tensor, params: tuple[int, int], seed: int, residual: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """Encode ``flat + residual`` and leave ``c - decode`` in ``residual`` (one kernel).
+
+        Raises :class:`NonFiniteError` without writing anything when ``c`` is not finite.
+        """
+        raise NotImplementedError
 
     def _fused_residual(self, grad: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor | None:
         """The flat residual a fused kernel can update in place (zeros on the first step).

@@ -39,7 +39,6 @@ from ..packet import Packet, Section
 from .base import (
     Codec,
     NonFiniteError,
-    check_dtype,
     check_scales,
     compute_dtype,
     scale_dtype,
@@ -158,26 +157,14 @@ class QSGDCodec(Codec):
         bits, s, bucket = self.unpack_params(packet.params)
         ops.qsgd_decode(packet.sections["norms"], packet.sections["levels"], bits, s, bucket, out, accumulate)
 
-    def encode_with_feedback(
-        self, grad: torch.Tensor, residual: torch.Tensor | None = None, *, seed: int = 0
-    ) -> tuple[Packet, torch.Tensor] | None:
-        """Fused error feedback (see :meth:`Codec.encode_with_feedback`); updates ``residual`` in place."""
-        if not isinstance(grad, torch.Tensor):
-            raise CodecError(f"grad must be a torch.Tensor, got {type(grad).__name__}")
-        check_dtype(grad.dtype)
-        rng.check_seed(seed)
-        fused = self._fused_residual(grad, residual)
-        if fused is None:
-            return super().encode_with_feedback(grad, residual, seed=seed)
-        flat = grad.reshape(-1).contiguous()
-        params = self.wire_params(flat.numel())
+    has_fused_feedback = True
+
+    def _encode_fused(
+        self, flat: torch.Tensor, params: tuple[int, int], seed: int, residual: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
         bits, s, bucket = self.unpack_params(params)
-        try:
-            norms, levels = ops.qsgd_encode(flat, bits, s, bucket, seed, residual=fused.view(-1))
-        except NonFiniteError:
-            return None
-        packet = Packet(self.name, grad.dtype, flat.numel(), params, seed, {"norms": norms, "levels": levels})
-        return packet, fused
+        norms, levels = ops.qsgd_encode(flat, bits, s, bucket, seed, residual=residual)
+        return {"norms": norms, "levels": levels}
 
 
 def encode_reference(

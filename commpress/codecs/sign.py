@@ -25,14 +25,13 @@ from typing import Any
 
 import torch
 
-from .. import ops, rng
+from .. import ops
 from ..bitpack import pack_bits_reference, packed_nbytes, padding_is_zero, unpack_bits_reference
 from ..errors import CodecError, WireError
 from ..packet import Packet, Section
 from .base import (
     Codec,
     NonFiniteError,
-    check_dtype,
     check_scales,
     compute_dtype,
     scale_dtype,
@@ -105,25 +104,13 @@ class SignCodec(Codec):
     def _decode_into(self, packet: Packet, out: torch.Tensor, accumulate: bool) -> None:
         ops.sign_decode(packet.sections["scales"], packet.sections["bits"], packet.params[0], out, accumulate)
 
-    def encode_with_feedback(
-        self, grad: torch.Tensor, residual: torch.Tensor | None = None, *, seed: int = 0
-    ) -> tuple[Packet, torch.Tensor] | None:
-        """Fused error feedback (see :meth:`Codec.encode_with_feedback`); updates ``residual`` in place."""
-        if not isinstance(grad, torch.Tensor):
-            raise CodecError(f"grad must be a torch.Tensor, got {type(grad).__name__}")
-        check_dtype(grad.dtype)
-        rng.check_seed(seed)
-        fused = self._fused_residual(grad, residual)
-        if fused is None:
-            return super().encode_with_feedback(grad, residual, seed=seed)
-        flat = grad.reshape(-1).contiguous()
-        try:
-            scales, bits = ops.sign_encode(flat, self.block_size, residual=fused.view(-1))
-        except NonFiniteError:
-            return None
-        params = self.wire_params(flat.numel())
-        packet = Packet(self.name, grad.dtype, flat.numel(), params, seed, {"scales": scales, "bits": bits})
-        return packet, fused
+    has_fused_feedback = True
+
+    def _encode_fused(
+        self, flat: torch.Tensor, params: tuple[int, int], seed: int, residual: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        scales, bits = ops.sign_encode(flat, self.block_size, residual=residual)
+        return {"scales": scales, "bits": bits}
 
 
 def encode_reference(
