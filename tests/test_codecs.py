@@ -248,3 +248,13 @@ def test_config_round_trip():
     for cid in ALL:
         codec = make_codec(cid)
         assert codecs.from_config(codec.config()) == codec
+
+
+def test_spec_round_trip_and_errors():
+    for cid in ALL:
+        codec = make_codec(cid)
+        assert codecs.from_spec(codecs.to_spec(codec)) == codec
+    assert codecs.from_spec("randomk:ratio=0.1,scaled=false").config()["scaled"] is False
+    for bad, match in [("", "non-empty"), ("topk:ratio", "key=value"), ("topk:ratio=2", "ratio")]:
+        with pytest.raises(CodecError, match=match):
+            codecs.from_spec(bad)

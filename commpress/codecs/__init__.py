@@ -34,7 +34,8 @@ _BY_ID = {cls.codec_id: cls for cls in _CLASSES}
 
 __all__ = [
     "Bf16Codec", "Codec", "Fp16Codec", "NoneCodec", "QSGDCodec", "RandomKCodec", "SignCodec",
-    "TopKCodec", "available", "codec_class", "codec_class_by_id", "from_config", "get",
+    "TopKCodec", "available", "codec_class", "codec_class_by_id", "from_config", "from_spec", "get",
+    "to_spec",
 ]
 
 
@@ -71,3 +72,40 @@ def from_config(config: dict[str, Any]) -> Codec:
         raise CodecError(f"codec config must be a dict with a 'name', got {config!r}")
     params = {k: v for k, v in config.items() if k != "name"}
     return get(config["name"], **params)
+
+
+def _spec_value(text: str) -> Any:
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low == "none":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def from_spec(spec: str) -> Codec:
+    """Build a codec from ``name[:key=value,...]``, e.g. ``topk:ratio=0.01`` or ``qsgd:bits=8``."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise CodecError(f"codec spec must be a non-empty string, got {spec!r}")
+    name, _, rest = spec.strip().partition(":")
+    params: dict[str, Any] = {}
+    for item in filter(None, (s.strip() for s in rest.split(","))):
+        key, eq, val = item.partition("=")
+        if not eq or not key:
+            raise CodecError(f"codec spec {spec!r}: expected key=value, got {item!r}")
+        params[key.strip()] = _spec_value(val.strip())
+    try:
+        return get(name, **params)
+    except CodecError as exc:
+        raise CodecError(f"codec spec {spec!r}: {exc}") from None
+
+
+def to_spec(codec: Codec) -> str:
+    """Inverse of :func:`from_spec`: ``TopKCodec(ratio=0.01)`` -> ``"topk:ratio=0.01"``."""
+    cfg = {k: v for k, v in codec.config().items() if k != "name" and v is not None}
+    return codec.name + (":" + ",".join(f"{k}={v}" for k, v in cfg.items()) if cfg else "")

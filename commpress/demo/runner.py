@@ -33,19 +33,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from .. import ddp as commpress_ddp
+from ..codecs import from_spec
 from .workloads import ByteLM, TextBatches, digits, lm_loss, wide_mlp
 
 MOMENTUM = 0.9
-
-
-def parse_method(text: str) -> tuple[str, dict[str, Any]]:
-    """``cp-topk:ratio=0.01`` -> ("topk", {"ratio": 0.01}); baselines -> (name, {})."""
-    name, _, rest = text.partition(":")
-    params: dict[str, Any] = {}
-    for item in filter(None, rest.split(",")):
-        k, _, v = item.partition("=")
-        params[k] = json.loads(v)
-    return name, params
 
 
 def tx_bytes() -> int | None:
@@ -113,7 +104,7 @@ def run_method(method: str, work: Workload, steps: int, warmup: int, eval_every:
                progress: bool = False) -> dict[str, Any]:
     """Train ``work`` for ``steps`` under ``method``; return timings, bytes and the loss curve."""
     world = dist.get_world_size()
-    name, params = parse_method(method)
+    name = method.partition(":")[0]
     module = work.model()
     single_bucket = name == "powersgd"
     ddp = DDP(module, bucket_cap_mb=10_000 if single_bucket else 25)
@@ -132,7 +123,7 @@ def run_method(method: str, work: Workload, steps: int, warmup: int, eval_every:
         claimed = 4 * powersgd_floats(module, 4)
     elif name.startswith("cp-"):
         # DGC momentum correction: the hook keeps the velocity, the optimizer has none
-        state = commpress_ddp.register(ddp, name[3:], momentum=MOMENTUM, **params)
+        state = commpress_ddp.register(ddp, from_spec(method[3:]), momentum=MOMENTUM)
         opt_momentum = 0.0
         claimed = 0
     else:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..codecs import codec_class
+from ..codecs import get, to_spec
 from .runner import Workload, run_method
 
 
@@ -46,18 +46,12 @@ def _worker(rank: int, world: int, port: int, methods: list[str], steps: int, ba
     dist.destroy_process_group()
 
 
-def method_spec(codec: str, params: dict[str, Any]) -> str:
-    """The runner's method string for a commpress codec: ``cp-topk:ratio=0.01``."""
-    codec_class(codec)  # unknown names fail here, before any process starts
-    return f"cp-{codec}" + (":" + ",".join(f"{k}={json.dumps(v)}" for k, v in params.items()) if params else "")
-
-
 def train_demo(codec: str, params: dict[str, Any], workers: int, steps: int, batch: int, out_dir: str,
                baseline: bool = True) -> dict[str, Any]:
     """Run the demo; print the table and return ``{"results": [...], "plot": path}``."""
     if workers < 1 or steps < 3 or batch < 1:
         raise ValueError("workers >= 1, steps >= 3 and batch >= 1 are required")
-    methods = (["allreduce"] if baseline else []) + [method_spec(codec, params)]
+    methods = (["allreduce"] if baseline else []) + ["cp-" + to_spec(get(codec, **params))]
     os.makedirs(out_dir, exist_ok=True)
     fd, out = tempfile.mkstemp(suffix=".json")
     os.close(fd)

@@ -14,43 +14,17 @@ from .errors import ConfigError
 MODES = ("sync", "async", "ssp")
 
 
-def _value(text: str) -> Any:
-    low = text.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    if low == "none":
-        return None
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
 def parse_codec(spec: str | Codec) -> Codec:
-    """Build a codec from ``name[:key=value,...]``, e.g. ``topk:ratio=0.01`` or ``qsgd:bits=8``."""
+    """Build a codec from ``name[:key=value,...]`` (:func:`commpress.codecs.from_spec`)."""
     if isinstance(spec, Codec):
         return spec
-    if not isinstance(spec, str) or not spec.strip():
-        raise ConfigError(f"codec spec must be a non-empty string, got {spec!r}")
-    name, _, rest = spec.strip().partition(":")
-    params: dict[str, Any] = {}
-    for item in filter(None, (s.strip() for s in rest.split(","))):
-        key, eq, val = item.partition("=")
-        if not eq or not key:
-            raise ConfigError(f"codec spec {spec!r}: expected key=value, got {item!r}")
-        params[key.strip()] = _value(val.strip())
     try:
-        return codecs.get(name, **params)
+        return codecs.from_spec(spec)
     except CodecError as exc:
-        raise ConfigError(f"codec spec {spec!r}: {exc}") from None
+        raise ConfigError(str(exc)) from None
 
 
-def codec_spec(codec: Codec) -> str:
-    """Inverse of :func:`parse_codec` (for printing)."""
-    cfg = {k: v for k, v in codec.config().items() if k != "name" and v is not None}
-    return codec.name + (":" + ",".join(f"{k}={v}" for k, v in cfg.items()) if cfg else "")
+codec_spec = codecs.to_spec  # inverse of parse_codec, for printing
 
 
 def contractive(codec: Codec) -> bool:
