@@ -1,30 +1,37 @@
-"""Typed wrappers over the native ``torch.ops.commpress`` kernels, with reference fallbacks.
+"""Typed wrappers over the commpress kernels, with a backend chosen per op and device.
 
-The extension ``commpress._C`` is optional: it is loaded lazily and defensively, so
-``import commpress`` never fails because it is missing (pure-Python install, or a build for
-another torch) and never initialises CUDA. Every wrapper picks the native kernel when one is
-registered for the tensor's device and falls back to the pure-torch reference otherwise (the
-references live with the codecs, in ``commpress/codecs/*.py``, and are the specification);
-both produce bit-identical results (tests/test_native.py and tests/test_kernels.py check it).
+Backends, tried in this order for each op (:func:`backend_for`):
+
+1. ``native``: the extension ``commpress._C`` (C++ CPU kernels, CUDA kernels when built). It is
+   loaded lazily and defensively, so ``import commpress`` never fails because it is missing
+   (pure-Python install, or a build for another torch) and never initialises CUDA.
+2. the Python backend of the tensor's device: ``numba`` for CPU tensors
+   (:mod:`commpress.backends.numba_cpu`), ``cupy`` for CUDA tensors
+   (:mod:`commpress.backends.cupy_cuda`), each used only when its library is installed.
+3. ``reference``: the pure-torch specification (``commpress/codecs/*.py``).
+
+Every backend gives bit-identical results (tests/test_native.py and tests/test_kernels.py check
+it). ``COMMPRESS_BACKEND=<name>`` or :func:`use_backend` puts one backend first wherever it
+has the op; ``COMMPRESS_DISABLE_NATIVE=1`` skips the extension.
 
 Errors: bad arguments raise :class:`~commpress.errors.CodecError` naming the argument, from
-either path; NaN/Inf in the values to encode raise its subclass :class:`NonFiniteError`, and
+every path; NaN/Inf in the values to encode raise its subclass :class:`NonFiniteError`, and
 then nothing was written (a residual passed for fused error feedback is unchanged).
-
-Set ``COMMPRESS_DISABLE_NATIVE=1`` to force the reference path (used by the tests to check
-that the package works without the extension).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import lru_cache
 from typing import Any, TypeVar
 
 import torch
 
+from . import backends
+from .backends.checks import KernelArgumentError
 from .bitpack import check_bits, pack_bits_reference, packed_nbytes, unpack_bits_reference
 from .errors import CodecError
 
@@ -72,6 +79,60 @@ def has_native(op: str, device_type: str = "cpu") -> bool:
         return bool(torch._C._dispatch_has_kernel_for_dispatch_key(f"commpress::{op}", key))
     except RuntimeError:  # an older build of the extension that lacks this op
         return False
+
+
+#: Backends tried for each device type, first to last.
+BACKEND_ORDER = {"cpu": ("native", "numba", "reference"), "cuda": ("native", "cupy", "reference")}
+BACKEND_NAMES = ("native", "numba", "cupy", "reference")
+_preferred: list[str] = []  # innermost use_backend() last
+
+
+def backend_for(op: str, device_type: str) -> str:
+    """The backend that runs ``op`` on ``device_type`` tensors: native, numba, cupy or reference.
+
+    A backend preferred by :func:`use_backend` or ``COMMPRESS_BACKEND`` comes first wherever it
+    has the op for that device; otherwise the order of :data:`BACKEND_ORDER`.
+    """
+    preferred = _preferred[-1] if _preferred else os.environ.get("COMMPRESS_BACKEND", "")
+    order = BACKEND_ORDER.get(device_type, ("reference",))
+    if preferred:
+        order = (preferred, *order)
+    for name in order:
+        if name == "reference":
+            return name
+        if name == "native":
+            if has_native(op, device_type):
+                return name
+        elif backends.supports(name, op, device_type):
+            return name
+    return "reference"
+
+
+def backend_unavailable(name: str) -> str | None:
+    """None when backend ``name`` can run here (for some op), else why not."""
+    if name == "reference":
+        return None
+    if name == "native":
+        return load_native()
+    return backends.unavailable(name)
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Within the block, run every op on backend ``name`` where it has the op (tests, benchmarks).
+
+    Raises :class:`CodecError` for an unknown backend or one that cannot run here.
+    """
+    if name not in BACKEND_NAMES:
+        raise CodecError(f"backend must be one of {', '.join(BACKEND_NAMES)}, got {name!r}")
+    reason = backend_unavailable(name)
+    if reason is not None:
+        raise CodecError(f"backend {name!r} is not available: {reason}")
+    _preferred.append(name)
+    try:
+        yield
+    finally:
+        _preferred.pop()
 
 
 def native_ops() -> dict[str, list[str]]:
@@ -183,6 +244,22 @@ def _native(op: str, fn: Callable[..., _R], *args: Any) -> _R:
         raise CodecError(message) from exc
 
 
+def _run(op: str, device_type: str, args: tuple[Any, ...], reference: Callable[[], _R]) -> _R:
+    """Run ``op`` on the backend :func:`backend_for` picks; ``args`` follow the native schema."""
+    backend = backend_for(op, device_type)
+    if backend == "native":
+        return _native(op, getattr(torch.ops.commpress, op).default, *args)
+    if backend == "reference":
+        return reference()
+    try:
+        result: _R = getattr(backends.module(backend), op)(*args)
+    except KernelArgumentError as exc:
+        if "non-finite input" in str(exc):
+            raise NonFiniteError(str(exc)) from exc
+        raise
+    return result
+
+
 def _signed_seed(seed: int) -> int:
     # the schema's int is int64; uint64 seeds travel as their bit pattern
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 1 << 64:
@@ -216,9 +293,8 @@ def pack_bits(fields: torch.Tensor, bits: int) -> torch.Tensor:
     check_bits(bits)
     if fields.dtype != torch.uint8 or fields.dim() != 1:
         raise CodecError(f"fields must be a 1-D uint8 tensor, got {fields.dtype} {tuple(fields.shape)}")
-    if has_native("pack_bits", fields.device.type):
-        return _native("pack_bits", torch.ops.commpress.pack_bits.default, fields.contiguous(), bits)
-    return pack_bits_reference(fields, bits)
+    fields = fields.contiguous()
+    return _run("pack_bits", fields.device.type, (fields, bits), lambda: pack_bits_reference(fields, bits))
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
@@ -230,9 +306,8 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
         raise CodecError(
             f"packed holds {packed.numel()} bytes, {n} fields of {bits} bits need {packed_nbytes(n, bits)}"
         )
-    if has_native("unpack_bits", packed.device.type):
-        return _native("unpack_bits", torch.ops.commpress.unpack_bits.default, packed.contiguous(), bits, n)
-    return unpack_bits_reference(packed, bits, n)
+    packed = packed.contiguous()
+    return _run("unpack_bits", packed.device.type, (packed, bits, n), lambda: unpack_bits_reference(packed, bits, n))
 
 
 # ----- sign ---------------------------------------------------------------------------------------
@@ -245,11 +320,11 @@ def sign_encode(
     """
     _check_vector("x", x)
     _check_residual(residual, x)
-    if has_native("sign_encode", x.device.type):
-        return _native("sign_encode", torch.ops.commpress.sign_encode.default, x, residual, block_size)
     from .codecs.sign import encode_reference
 
-    return encode_reference(x, block_size, residual)
+    return _run(
+        "sign_encode", x.device.type, (x, residual, block_size), lambda: encode_reference(x, block_size, residual)
+    )
 
 
 def sign_decode(
@@ -257,12 +332,14 @@ def sign_decode(
 ) -> None:
     """``out = decode(scales, bits)``, or ``+=`` with ``accumulate``, for sign (1-D contiguous ``out``)."""
     _check_vector("out", out)
-    if has_native("sign_decode", out.device.type):
-        _native("sign_decode", torch.ops.commpress.sign_decode.default, scales, bits, block_size, out, accumulate)
-        return
     from .codecs.sign import decode_reference
 
-    decode_reference(scales, bits, block_size, out, accumulate)
+    _run(
+        "sign_decode",
+        out.device.type,
+        (scales, bits, block_size, out, accumulate),
+        lambda: decode_reference(scales, bits, block_size, out, accumulate),
+    )
 
 
 # ----- qsgd ---------------------------------------------------------------------------------------
@@ -276,13 +353,14 @@ def qsgd_encode(
     _check_vector("x", x)
     _check_residual(residual, x)
     signed = _signed_seed(seed)
-    if has_native("qsgd_encode", x.device.type):
-        return _native(
-            "qsgd_encode", torch.ops.commpress.qsgd_encode.default, x, residual, bits, levels, bucket_size, signed
-        )
     from .codecs.qsgd import encode_reference
 
-    return encode_reference(x, bits, levels, bucket_size, seed, residual)
+    return _run(
+        "qsgd_encode",
+        x.device.type,
+        (x, residual, bits, levels, bucket_size, signed),
+        lambda: encode_reference(x, bits, levels, bucket_size, seed, residual),
+    )
 
 
 def qsgd_decode(
@@ -296,36 +374,37 @@ def qsgd_decode(
 ) -> None:
     """``out = decode(norms, packed)``, or ``+=`` with ``accumulate``, for QSGD (1-D contiguous ``out``)."""
     _check_vector("out", out)
-    if has_native("qsgd_decode", out.device.type):
-        op = torch.ops.commpress.qsgd_decode.default
-        _native("qsgd_decode", op, norms, packed, bits, levels, bucket_size, out, accumulate)
-        return
     from .codecs.qsgd import decode_reference
 
-    decode_reference(norms, packed, bits, levels, bucket_size, out, accumulate)
+    _run(
+        "qsgd_decode",
+        out.device.type,
+        (norms, packed, bits, levels, bucket_size, out, accumulate),
+        lambda: decode_reference(norms, packed, bits, levels, bucket_size, out, accumulate),
+    )
 
 
 # ----- top-k --------------------------------------------------------------------------------------
 def topk_select(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(indices, values)`` of the k largest ``|x|``, exact, indices ascending; see the reference."""
     _check_vector("x", x)
-    if has_native("topk_select", x.device.type):
-        return _native("topk_select", torch.ops.commpress.topk_select.default, x, k)
     from .codecs.topk import select_reference
 
-    return select_reference(x, k)
+    return _run("topk_select", x.device.type, (x, k), lambda: select_reference(x, k))
 
 
 def sparse_scatter_add(indices: Sequence[torch.Tensor], values: Sequence[torch.Tensor], out: torch.Tensor) -> None:
     """``out[indices[p]] += values[p]`` for every payload p, in order (bounds/duplicate-checked)."""
     _check_vector("out", out)
     indices, values = list(indices), list(values)
-    if has_native("sparse_scatter_add", out.device.type):
-        _native("sparse_scatter_add", torch.ops.commpress.sparse_scatter_add.default, indices, values, out)
-        return
     from .codecs.topk import scatter_add_reference
 
-    scatter_add_reference(indices, values, out)
+    _run(
+        "sparse_scatter_add",
+        out.device.type,
+        (indices, values, out),
+        lambda: scatter_add_reference(indices, values, out),
+    )
 
 
 # ----- random-k -----------------------------------------------------------------------------------
@@ -333,20 +412,21 @@ def randomk_gather(x: torch.Tensor, k: int, seed: int, scaled: bool) -> torch.Te
     """The k values random-k sends for 1-D ``x``; see :func:`commpress.codecs.randomk.gather_reference`."""
     _check_vector("x", x)
     signed = _signed_seed(seed)
-    if has_native("randomk_gather", x.device.type):
-        return _native("randomk_gather", torch.ops.commpress.randomk_gather.default, x, k, signed, scaled)
     from .codecs.randomk import gather_reference
 
-    return gather_reference(x, k, seed, scaled)
+    return _run("randomk_gather", x.device.type, (x, k, signed, scaled), lambda: gather_reference(x, k, seed, scaled))
 
 
 def randomk_scatter_add(values: torch.Tensor, seed: int, out: torch.Tensor) -> None:
     """``out[idx] += values`` at the seed's random-k indices (1-D contiguous ``out``)."""
     _check_vector("out", out)
     signed = _signed_seed(seed)
-    if has_native("randomk_scatter_add", out.device.type):
-        _native("randomk_scatter_add", torch.ops.commpress.randomk_scatter_add.default, values.contiguous(), signed, out)
-        return
     from .codecs.randomk import scatter_add_reference
 
-    scatter_add_reference(values, seed, out)
+    values = values.contiguous()
+    _run(
+        "randomk_scatter_add",
+        out.device.type,
+        (values, signed, out),
+        lambda: scatter_add_reference(values, seed, out),
+    )

@@ -45,12 +45,18 @@ def check_seed(seed: int) -> int:
     return seed
 
 
+def key(seed: int, stream: int) -> np.uint64:
+    """Return ``mix64(seed ^ stream)``, the key of one (seed, stream) sequence."""
+    with np.errstate(over="ignore"):
+        return _mix64(np.array([check_seed(seed) ^ stream], dtype=np.uint64))[0]
+
+
 def random_u64(seed: int, stream: int, start: int, count: int) -> np.ndarray:
     """Return the ``count`` 64-bit draws ``r_start .. r_{start+count-1}`` as a uint64 array."""
     with np.errstate(over="ignore"):
-        key = _mix64(np.array([check_seed(seed) ^ stream], dtype=np.uint64))[0]
+        key_ = key(seed, stream)
         counters = np.arange(start + 1, start + count + 1, dtype=np.uint64)
-        return _mix64(key + counters * GOLDEN)
+        return _mix64(key_ + counters * GOLDEN)
 
 
 def uniform_f32(seed: int, stream: int, count: int) -> torch.Tensor:

@@ -1,0 +1,363 @@
+"""The numba kernels behind :mod:`commpress.backends.numba_cpu` (imported on first use).
+
+Every function takes numpy arrays already checked by the wrapper (sizes, dtypes): numba does
+no bounds checking. Arrays of values are float32 or float64 (the codecs' compute dtypes);
+``mode`` says which dtype the reference rounds intermediate values to (0: none, the array's
+own; 1: float16; 2: bfloat16).
+
+Rounding notes. A float32 operation is computed here as the float64 operation followed by a
+rounding to float32 (an assignment to a float32 array, or ``np.float32``): for +, -, *, / and
+sqrt of float32 operands that double rounding gives the correctly rounded float32 result,
+because float64 has more than 2*24 + 2 bits (Figueroa, 1995). Float16/bfloat16 results are
+rounded from the float32 value, like torch does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_SUM_CHUNK = 32
+_HALF_MAX = 65504.0
+_BF16_MAX = 3.3895313892515355e38
+# tree-sum kinds
+_ABS, _SQUARE, _SCALED_SQUARE = 0, 1, 2
+# status codes (see numba_cpu)
+_OK, _NON_FINITE, _OVERFLOW, _ABOVE_LIMIT = 0, 1, 2, 3
+
+
+@njit(cache=True)
+def _mix64(z):  # type: ignore[no-untyped-def]
+    z = (z ^ (z >> np.uint64(30))) * _M1
+    z = (z ^ (z >> np.uint64(27))) * _M2
+    return z ^ (z >> np.uint64(31))
+
+
+@njit(cache=True)
+def _draw(key, i):  # type: ignore[no-untyped-def]
+    """r_i of commpress.rng: mix64(key + (i + 1) * golden), all uint64."""
+    return _mix64(key + np.uint64(i + 1) * _GOLDEN)
+
+
+@njit(cache=True)
+def _round(v, mode):  # type: ignore[no-untyped-def]
+    """``v`` (a float64 holding a float32 value) rounded to float16 / bfloat16, nearest even."""
+    if mode == 0:
+        return v
+    a = abs(v)
+    if a == 0.0 or not np.isfinite(a):
+        return v
+    if mode == 1:
+        if a < 2.0**-14:
+            q = 2.0**-24  # float16 subnormals
+        else:
+            q = math.ldexp(1.0, math.frexp(a)[1] - 11)
+        r = np.rint(v / q) * q  # exact: q is a power of two
+        if abs(r) > _HALF_MAX:
+            return math.copysign(np.inf, v)
+        return r
+    if a < 2.0**-126:
+        q = 2.0**-133  # bfloat16 subnormals
+    else:
+        q = math.ldexp(1.0, math.frexp(a)[1] - 8)
+    r = np.rint(v / q) * q
+    if abs(r) > _BF16_MAX:
+        return math.copysign(np.inf, v)
+    return r
+
+
+@njit(cache=True)
+def _add(a, b, mode):  # type: ignore[no-untyped-def]
+    """``a + b`` the way torch adds two tensors of the rounded dtype (float64 when mode 0)."""
+    s = np.float64(a) + np.float64(b)
+    if mode == 0:
+        return s  # the caller's assignment rounds it to the array's dtype
+    return _round(np.float64(np.float32(s)), mode)
+
+
+@njit(cache=True)
+def _tree_sum(w, start, stop, kind, scale, buf, chunks):  # type: ignore[no-untyped-def]
+    """commpress.codecs.base.tree_sum of |w|, w^2 or (w/scale)^2 over w[start:stop], in float64."""
+    length = stop - start
+    nchunks = max(1, (length + _SUM_CHUNK - 1) // _SUM_CHUNK)
+    for c in range(nchunks):
+        for j in range(_SUM_CHUNK):
+            i = start + c * _SUM_CHUNK + j
+            v = 0.0
+            if i < stop:
+                d = np.float64(w[i])
+                if kind == _ABS:
+                    v = abs(d)
+                elif kind == _SQUARE:
+                    v = d * d
+                else:
+                    t = d / scale
+                    v = t * t
+            buf[j] = v
+        h = _SUM_CHUNK // 2
+        while h >= 1:
+            for j in range(h):
+                buf[j] = buf[j] + buf[j + h]
+            h //= 2
+        chunks[c] = buf[0]
+    count = nchunks
+    while count > 1:
+        half = (count + 1) // 2
+        for j in range(half):
+            b = chunks[2 * j + 1] if 2 * j + 1 < count else 0.0
+            chunks[j] = chunks[2 * j] + b
+        count = half
+    return chunks[0]
+
+
+@njit(cache=True)
+def _corrected(x, e, has_e, mode, w):  # type: ignore[no-untyped-def]
+    """w = round(x + e) (or x); False when a value is NaN/Inf."""
+    for i in range(x.size):
+        if has_e:
+            w[i] = _round(np.float64(x[i] + e[i]), mode)
+        else:
+            w[i] = x[i]
+        if not np.isfinite(w[i]):
+            return False
+    return True
+
+
+# ----- bit packing -------------------------------------------------------------------------------
+@njit(cache=True)
+def pack(fields, bits, packed):  # type: ignore[no-untyped-def]
+    """Pack LSB-first; returns the index of the first field that does not fit, or -1."""
+    n = fields.size
+    limit = 1 << bits
+    for i in range(n):
+        if fields[i] >= limit:
+            return i
+    per = 8 // bits
+    for j in range(packed.size):
+        acc = 0
+        for t in range(per):
+            i = j * per + t
+            if i < n:
+                acc |= np.int64(fields[i]) << (t * bits)
+        packed[j] = acc
+    return -1
+
+
+@njit(cache=True)
+def unpack(packed, bits, n, fields):  # type: ignore[no-untyped-def]
+    """Unpack n fields."""
+    mask = (1 << bits) - 1
+    for i in range(n):
+        pos = i * bits
+        fields[i] = (np.int64(packed[pos >> 3]) >> (pos & 7)) & mask
+
+
+# ----- sign --------------------------------------------------------------------------------------
+@njit(cache=True)
+def sign_encode(x, e, has_e, mode, block, scales, bits):  # type: ignore[no-untyped-def]
+    """Scales, bits and (with has_e) the new residual; returns a status, writes e only on OK."""
+    n = x.size
+    w = np.empty_like(x)
+    if not _corrected(x, e, has_e, mode, w):
+        return _NON_FINITE
+    buf = np.empty(_SUM_CHUNK)
+    chunks = np.empty(max(1, (block + _SUM_CHUNK - 1) // _SUM_CHUNK))
+    for b in range(scales.size):
+        s0 = b * block
+        s1 = min(n, s0 + block)
+        scales[b] = _tree_sum(w, s0, s1, _ABS, 1.0, buf, chunks) / np.float64(s1 - s0)
+        if not np.isfinite(scales[b]):
+            return _OVERFLOW
+    for j in range(bits.size):
+        acc = 0
+        for t in range(8):
+            i = 8 * j + t
+            if i < n and w[i] < 0:
+                acc |= 1 << t
+        bits[j] = acc
+    if has_e:
+        for i in range(n):
+            sc = scales[i // block]
+            d = _round(np.float64(-sc if w[i] < 0 else sc), mode)
+            e[i] = np.float64(x[i] + e[i]) - d
+    return _OK
+
+
+@njit(cache=True)
+def sign_decode(scales, bits, block, out, accumulate, mode):  # type: ignore[no-untyped-def]
+    """out = (out if accumulate else 0) + round(+-scale)."""
+    for i in range(out.size):
+        sc = scales[i // block]
+        negative = (bits[i >> 3] >> (i & 7)) & 1
+        d = _round(np.float64(-sc if negative else sc), mode)
+        base = out[i] if accumulate else 0.0
+        out[i] = _add(base, d, mode)
+
+
+# ----- qsgd --------------------------------------------------------------------------------------
+@njit(cache=True)
+def _level_values(bits, s, like):  # type: ignore[no-untyped-def]
+    """(f - s) / s for every field f, in the compute dtype of ``like``."""
+    lv = np.empty(1 << bits, dtype=like.dtype)
+    for f in range(lv.size):
+        lv[f] = (np.float64(f) - np.float64(s)) / np.float64(s)
+    return lv
+
+
+@njit(cache=True)
+def qsgd_encode(x, e, has_e, mode, wide, bits, s, bucket, key, limit, norms, packed):  # type: ignore[no-untyped-def]
+    """Norms, packed levels and (with has_e) the new residual; returns a status. wide: float64."""
+    n = x.size
+    w = np.empty_like(x)
+    if not _corrected(x, e, has_e, mode, w):
+        return _NON_FINITE
+    buf = np.empty(_SUM_CHUNK)
+    chunks = np.empty(max(1, (bucket + _SUM_CHUNK - 1) // _SUM_CHUNK))
+    for b in range(norms.size):
+        s0 = b * bucket
+        s1 = min(n, s0 + bucket)
+        if wide:  # divide by the max magnitude first: float64 squares can overflow
+            amax = 0.0
+            for i in range(s0, s1):
+                amax = max(amax, abs(np.float64(w[i])))
+            safe = amax if amax > 0 else 1.0
+            norms[b] = math.sqrt(_tree_sum(w, s0, s1, _SCALED_SQUARE, safe, buf, chunks)) * amax
+        else:
+            norms[b] = math.sqrt(_tree_sum(w, s0, s1, _SQUARE, 1.0, buf, chunks))
+    for b in range(norms.size):
+        if not np.isfinite(norms[b]):
+            return _OVERFLOW
+    for b in range(norms.size):
+        if np.float64(norms[b]) > limit:
+            return _ABOVE_LIMIT
+    lv = _level_values(bits, s, norms)
+    packed[:] = 0
+    top = np.int64(s)
+    for i in range(n):
+        nb = norms[i // bucket]
+        a = abs(w[i]) / nb if nb > 0 else nb  # compute-dtype arithmetic; 0 for an all-zero bucket
+        t = a * s
+        fl = np.floor(t)
+        u = np.float32(_draw(key, i) >> np.uint64(40)) * np.float32(2.0**-24)
+        level = np.int64(fl) + (1 if u < t - fl else 0)
+        level = min(level, top)
+        field = (-level if w[i] < 0 else level) + top
+        pos = i * bits
+        packed[pos >> 3] |= field << (pos & 7)
+        if has_e:
+            d = _round(np.float64(nb * lv[field]), mode)
+            e[i] = np.float64(x[i] + e[i]) - d
+    return _OK
+
+
+@njit(cache=True)
+def qsgd_decode(norms, packed, bits, s, bucket, out, accumulate, mode):  # type: ignore[no-untyped-def]
+    """out = (out if accumulate else 0) + round(norm * ((f - s) / s))."""
+    lv = _level_values(bits, s, norms)
+    mask = (1 << bits) - 1
+    for i in range(out.size):
+        pos = i * bits
+        field = (np.int64(packed[pos >> 3]) >> (pos & 7)) & mask
+        d = _round(np.float64(norms[i // bucket] * lv[field]), mode)
+        base = out[i] if accumulate else 0.0
+        out[i] = _add(base, d, mode)
+
+
+# ----- top-k -------------------------------------------------------------------------------------
+@njit(cache=True)
+def topk_select(x, k, idx):  # type: ignore[no-untyped-def]
+    """Indices of the k largest |x|, ties to the lower index, ascending; False on NaN/Inf."""
+    n = x.size
+    mags = np.empty_like(x)
+    for i in range(n):
+        if not np.isfinite(x[i]):
+            return False
+        mags[i] = abs(x[i])
+    if k == 0:
+        return True
+    kth = np.partition(mags, n - k)[n - k]
+    above = 0
+    for i in range(n):
+        if mags[i] > kth:
+            above += 1
+    need_equal = k - above
+    j = 0
+    for i in range(n):
+        m = mags[i]
+        if m > kth or (m == kth and need_equal > 0):
+            if m == kth:
+                need_equal -= 1
+            idx[j] = i
+            j += 1
+    return True
+
+
+@njit(cache=True)
+def first_bad_index(idx, n):  # type: ignore[no-untyped-def]
+    """Position of the first index out of [0, n) or not above its predecessor, or -1."""
+    for j in range(idx.size):
+        v = idx[j]
+        if v < 0 or v >= n or (j > 0 and v <= idx[j - 1]):
+            return j
+    return -1
+
+
+@njit(cache=True)
+def scatter_add(idx, values, out, mode):  # type: ignore[no-untyped-def]
+    """out[idx[j]] += values[j] (checked, distinct indices)."""
+    for j in range(idx.size):
+        out[idx[j]] = _add(out[idx[j]], values[j], mode)
+
+
+# ----- random-k ----------------------------------------------------------------------------------
+@njit(cache=True)
+def _stratum(j, n, k):  # type: ignore[no-untyped-def]
+    """(start, length) of stratum j of k over n: edges floor(j * n / k) without overflow."""
+    q, r = n // k, n % k
+    start = j * q + j * r // k
+    stop = (j + 1) * q + (j + 1) * r // k
+    return start, stop - start
+
+
+@njit(cache=True)
+def _position(key, j, n, k):  # type: ignore[no-untyped-def]
+    start, length = _stratum(j, n, k)
+    hi = _draw(key, j) >> np.uint64(32)
+    return start + np.int64((hi * np.uint64(length)) >> np.uint64(32)), length
+
+
+@njit(cache=True)
+def randomk_gather(x, k, key, scaled, mode, wide, values):  # type: ignore[no-untyped-def]
+    """One value per stratum (times the stratum length when scaled); returns a status."""
+    n = x.size
+    for i in range(n):
+        if not np.isfinite(x[i]):
+            return _NON_FINITE
+    for j in range(k):
+        where, length = _position(key, j, n, k)
+        v = x[where]
+        if scaled:
+            lt = np.float64(length) if wide else _round(np.float64(np.float32(length)), mode)
+            p = np.float64(v) * lt
+            if mode != 0:
+                p = _round(np.float64(np.float32(p)), mode)
+            values[j] = p
+            if not np.isfinite(values[j]):
+                return _OVERFLOW
+        else:
+            values[j] = v
+    return _OK
+
+
+@njit(cache=True)
+def randomk_scatter_add(values, key, out, mode):  # type: ignore[no-untyped-def]
+    """out[position_j] += values[j] for the seed's strata."""
+    n, k = out.size, values.size
+    for j in range(k):
+        where, _ = _position(key, j, n, k)
+        out[where] = _add(out[where], values[j], mode)

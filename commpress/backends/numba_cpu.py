@@ -1,0 +1,273 @@
+"""The numba CPU backend: every commpress op, JIT-compiled, for installs without the extension.
+
+A pure-Python install (``COMMPRESS_PURE_PYTHON=1``, or a wheel built for another torch) has no
+``commpress._C``; with numba present, :mod:`commpress.ops` runs these kernels instead of the
+much slower pure-torch references. They implement the same specification (the references in
+``commpress/codecs/*.py``) bit for bit: the same fixed summation order (``tree_sum``), the same
+correctly rounded square root, the same counter-based RNG (:mod:`commpress.rng`), the same
+rounding to float16/bfloat16 at the same steps; ``tests/test_kernels.py`` checks every op
+against the reference like the native backends.
+
+How the dtypes are handled: the kernels compute on float32 (float64 for float64) arrays. A
+float16/bfloat16 input is widened to float32 first (exact), and every value the reference
+rounds to the input dtype is rounded here by :func:`_round` (round to nearest even, computed
+in float64 with power-of-two quanta, so it is exact). float32/float64 arrays are used in
+place, with no copy.
+
+Kernels return a status code instead of raising (numba raises poorly); the wrappers check
+the arguments first (:mod:`commpress.backends.checks`: numba does no bounds checking) and turn
+a status into the same message the native ops give. Compiled code is cached on disk
+(``cache=True``), so only the first use on a machine pays the compile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from .. import rng
+from . import checks
+from .checks import c10_name, compute_dtype, fail
+
+DEVICE = "cpu"
+OPS = frozenset(
+    {
+        "pack_bits",
+        "unpack_bits",
+        "sign_encode",
+        "sign_decode",
+        "qsgd_encode",
+        "qsgd_decode",
+        "topk_select",
+        "sparse_scatter_add",
+        "randomk_gather",
+        "randomk_scatter_add",
+    }
+)
+
+# Rounding modes: the dtype whose values the reference rounds to.
+_EXACT, _HALF, _BF16 = 0, 1, 2
+_MODE = {torch.float32: _EXACT, torch.float64: _EXACT, torch.float16: _HALF, torch.bfloat16: _BF16}
+# Status codes of the encode kernels.
+_OK, _NON_FINITE, _OVERFLOW, _ABOVE_LIMIT = 0, 1, 2, 3
+
+
+@lru_cache(maxsize=1)
+def unavailable() -> str | None:
+    """None when numba can be imported, else the reason (the backend is then skipped)."""
+    try:
+        import numba  # noqa: F401
+    except ImportError as exc:
+        return f"numba not importable: {exc}"
+    return None
+
+
+@lru_cache(maxsize=1)
+def _kernels():  # type: ignore[no-untyped-def]
+    # Compiled on first use (and cached on disk), so importing commpress never pays for it.
+    from . import _numba_kernels
+
+    return _numba_kernels
+
+
+# ----- dtype plumbing --------------------------------------------------------------------------
+def _as_compute(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in its compute dtype: the same tensor for float32/64, an exact float32 copy else."""
+    ct = compute_dtype(t.dtype)
+    return t if t.dtype == ct else t.to(ct)
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().numpy()
+
+
+def _rng_key(seed: int, stream: int) -> np.uint64:
+    # ``seed`` may be the int64 bit pattern of a uint64 seed (the native schema's form)
+    return rng.key(seed & rng.SEED_MASK, stream)
+
+
+def _finish_write(out: torch.Tensor, work: torch.Tensor) -> None:
+    """Copy the float32 working copy of a float16/bfloat16 ``out`` back (exact: values fit)."""
+    if work is not out:
+        out.copy_(work)
+
+
+# ----- bit packing -------------------------------------------------------------------------------
+def pack_bits(fields: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack ``bits``-wide fields LSB-first (specification: :mod:`commpress.bitpack`)."""
+    checks.check_bits("pack_bits", bits)
+    checks.check_byte_vector("pack_bits", "fields", fields, DEVICE)
+    n = fields.numel()
+    packed = torch.empty(checks.packed_nbytes(n, bits), dtype=torch.uint8)
+    bad = _kernels().pack(_np(fields), bits, _np(packed))
+    if bad >= 0:
+        value = int(fields[bad])
+        raise fail("pack_bits", f"fields[{bad}] = {value} does not fit in bits={bits} (every field must be < {1 << bits})")
+    return packed
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Unpack ``n`` fields of ``bits`` bits."""
+    checks.check_unpack(packed, bits, n, DEVICE)
+    fields = torch.empty(n, dtype=torch.uint8)
+    _kernels().unpack(_np(packed), bits, n, _np(fields))
+    return fields
+
+
+# ----- sign --------------------------------------------------------------------------------------
+def _raise_encode_status(op: str, status: int, has_e: bool, what: str, dtype: torch.dtype) -> None:
+    if status == _NON_FINITE:
+        source = "x + residual" if has_e else "x"
+        raise fail(op, f"{source} contains NaN or Inf (non-finite input; nothing was written)")
+    if status == _OVERFLOW:
+        raise fail(op, f"{what} overflows {c10_name(compute_dtype(dtype))} (NaN or Inf; nothing was written)")
+
+
+def sign_encode(x: torch.Tensor, residual: torch.Tensor | None, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scales, bits)`` of sign; with ``residual``, fused error feedback (updated in place)."""
+    block = checks.check_sign_encode(x, residual, block_size, DEVICE)
+    n = x.numel()
+    ct = compute_dtype(x.dtype)
+    scales = torch.empty(checks.n_blocks(n, block), dtype=ct)
+    bits = torch.empty(checks.packed_nbytes(n, 1), dtype=torch.uint8)
+    if n == 0:
+        return scales, bits
+    xc = _as_compute(x)
+    e = _np(residual) if residual is not None else _np(xc[:0])
+    status = _kernels().sign_encode(_np(xc), e, residual is not None, _MODE[x.dtype], block, _np(scales), _np(bits))
+    _raise_encode_status("sign_encode", status, residual is not None, "a block's mean magnitude", x.dtype)
+    return scales, bits
+
+
+def sign_decode(scales: torch.Tensor, bits: torch.Tensor, block_size: int, out: torch.Tensor, accumulate: bool = True) -> None:
+    """``out (+)= +-scale`` per element."""
+    block = checks.check_sign_decode(scales, bits, block_size, out, DEVICE)
+    if out.numel() == 0:
+        return
+    work = _as_compute(out)
+    _kernels().sign_decode(_np(scales), _np(bits), block, _np(work), bool(accumulate), _MODE[out.dtype])
+    _finish_write(out, work)
+
+
+# ----- qsgd --------------------------------------------------------------------------------------
+def qsgd_encode(
+    x: torch.Tensor, residual: torch.Tensor | None, bits: int, levels: int, bucket_size: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norms, packed levels)`` of QSGD; with ``residual``, fused error feedback."""
+    checks.check_qsgd_encode(x, residual, bits, levels, bucket_size, DEVICE)
+    n = x.numel()
+    ct = compute_dtype(x.dtype)
+    norms = torch.empty(checks.n_blocks(n, bucket_size), dtype=ct)
+    packed = torch.empty(checks.packed_nbytes(n, bits), dtype=torch.uint8)
+    if n == 0:
+        return norms, packed
+    xc = _as_compute(x)
+    e = _np(residual) if residual is not None else _np(xc[:0])
+    limit = float(torch.finfo(x.dtype).max)
+    level_count = np.float64(levels) if ct == torch.float64 else np.float32(levels)
+    status = _kernels().qsgd_encode(
+        _np(xc), e, residual is not None, _MODE[x.dtype], ct == torch.float64, bits, level_count, bucket_size,
+        _rng_key(seed, rng.STREAM_QSGD), limit, _np(norms), _np(packed),
+    )
+    _raise_encode_status("qsgd_encode", status, residual is not None, "a bucket norm", x.dtype)
+    if status == _ABOVE_LIMIT:
+        first = float(norms[norms > limit][0])
+        raise fail(
+            "qsgd_encode",
+            f"a bucket norm {first:g} exceeds {c10_name(x.dtype)}'s range; use a smaller bucket_size (nothing was written)",
+        )
+    return norms, packed
+
+
+def qsgd_decode(
+    norms: torch.Tensor, packed: torch.Tensor, bits: int, levels: int, bucket_size: int, out: torch.Tensor, accumulate: bool = True
+) -> None:
+    """``out (+)= norm * ((field - s) / s)`` per element."""
+    checks.check_qsgd_decode(norms, packed, bits, levels, bucket_size, out, DEVICE)
+    if out.numel() == 0:
+        return
+    work = _as_compute(out)
+    level_count = np.float64(levels) if work.dtype == torch.float64 else np.float32(levels)
+    _kernels().qsgd_decode(_np(norms), _np(packed), bits, level_count, bucket_size, _np(work), bool(accumulate), _MODE[out.dtype])
+    _finish_write(out, work)
+
+
+# ----- top-k -------------------------------------------------------------------------------------
+def topk_select(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(indices, values)`` of the k largest ``|x|``, exact, ties to the lower index, ascending."""
+    checks.check_topk_select(x, k, DEVICE)
+    n = x.numel()
+    index_dtype = torch.int32 if n <= (1 << 31) - 1 else torch.int64
+    xc = _as_compute(x)
+    idx = torch.empty(k, dtype=torch.int64)
+    if not _kernels().topk_select(_np(xc), k, _np(idx)):
+        raise fail("topk_select", "x contains NaN or Inf (non-finite input)")
+    return idx.to(index_dtype), x[idx]
+
+
+def sparse_scatter_add(indices: Sequence[torch.Tensor], values: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+    """``out[indices[p]] += values[p]`` payload by payload; every payload is checked first."""
+    indices, values = list(indices), list(values)
+    checks.check_scatter_payloads(indices, values, out, DEVICE)
+    n = out.numel()
+    longs = [idx.long() for idx in indices]
+    for p, idx in enumerate(longs):
+        j = int(_kernels().first_bad_index(_np(idx), n))
+        if j >= 0:
+            prev = int(idx[j - 1]) if j else 0
+            raise fail("sparse_scatter_add", checks.bad_index_message(p, j, int(idx[j]), prev, n))
+    work = _as_compute(out)
+    mode = _MODE[out.dtype]
+    for idx, val in zip(longs, values):
+        _kernels().scatter_add(_np(idx), _np(_as_compute(val)), _np(work), mode)
+    _finish_write(out, work)
+
+
+# ----- random-k ----------------------------------------------------------------------------------
+def randomk_gather(x: torch.Tensor, k: int, seed: int, scaled: bool) -> torch.Tensor:
+    """The k values random-k sends (one per stratum, shared-seed positions)."""
+    checks.check_randomk_gather(x, k, DEVICE)
+    n = x.numel()
+    xc = _as_compute(x)
+    values = torch.empty(k, dtype=xc.dtype)
+    if n == 0:
+        return values.to(x.dtype)
+    status = _kernels().randomk_gather(
+        _np(xc), k, _rng_key(seed, rng.STREAM_RANDOMK), bool(scaled), _MODE[x.dtype], xc.dtype == torch.float64, _np(values)
+    )
+    if status == _NON_FINITE:
+        raise fail("randomk_gather", "x contains NaN or Inf (non-finite input)")
+    if status == _OVERFLOW:
+        raise fail("randomk_gather", f"x scaled by its block length overflows {c10_name(x.dtype)}; use scaled=False")
+    return values if values.dtype == x.dtype else values.to(x.dtype)
+
+
+def randomk_scatter_add(values: torch.Tensor, seed: int, out: torch.Tensor) -> None:
+    """``out[idx] += values`` at the seed's random-k positions."""
+    checks.check_randomk_scatter(values, out, DEVICE)
+    if values.numel() == 0:
+        return
+    work = _as_compute(out)
+    _kernels().randomk_scatter_add(
+        _np(_as_compute(values)), _rng_key(seed, rng.STREAM_RANDOMK), _np(work), _MODE[out.dtype]
+    )
+    _finish_write(out, work)
+
+
+def warm_up() -> None:
+    """Compile (or load from the disk cache) every kernel for float32, so timing excludes it."""
+    x = torch.randn(100)
+    e = torch.zeros(100)
+    s, b = sign_encode(x, e, 16)
+    sign_decode(s, b, 16, torch.zeros(100))
+    nr, pk = qsgd_encode(x, e, 4, 7, 32, 1)
+    qsgd_decode(nr, pk, 4, 7, 32, torch.zeros(100))
+    i, v = topk_select(x, 5)
+    sparse_scatter_add([i], [v], torch.zeros(100))
+    randomk_scatter_add(randomk_gather(x, 5, 1, True), 1, torch.zeros(100))
+    unpack_bits(pack_bits(torch.ones(9, dtype=torch.uint8), 1), 1, 9)
+
+
