@@ -189,17 +189,28 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("commpress::sign_decode")
     def _sign_decode_fake(
-        scales: torch.Tensor, bits: torch.Tensor, block_size: int, out: torch.Tensor, accumulate: bool = True
+        scales: torch.Tensor,
+        bits: torch.Tensor,
+        block_size: int,
+        out: torch.Tensor,
+        accumulate: bool = True,
     ) -> None:
         return None
 
     @torch.library.register_fake("commpress::qsgd_encode")
     def _qsgd_encode_fake(
-        x: torch.Tensor, residual: torch.Tensor | None, bits: int, levels: int, bucket_size: int, seed: int
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        bits: int,
+        levels: int,
+        bucket_size: int,
+        seed: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n = x.numel()
         nbytes = (n * bits + 7) // 8
-        return x.new_empty(_nblocks(n, bucket_size), dtype=compute(x.dtype)), x.new_empty(nbytes, dtype=torch.uint8)
+        return x.new_empty(_nblocks(n, bucket_size), dtype=compute(x.dtype)), x.new_empty(
+            nbytes, dtype=torch.uint8
+        )
 
     @torch.library.register_fake("commpress::qsgd_decode")
     def _qsgd_decode_fake(
@@ -219,7 +230,9 @@ def _register_fakes() -> None:
         return x.new_empty(k, dtype=idx_dtype), x.new_empty(k)
 
     @torch.library.register_fake("commpress::sparse_scatter_add")
-    def _scatter_fake(indices: list[torch.Tensor], values: list[torch.Tensor], out: torch.Tensor) -> None:
+    def _scatter_fake(
+        indices: list[torch.Tensor], values: list[torch.Tensor], out: torch.Tensor
+    ) -> None:
         return None
 
     @torch.library.register_fake("commpress::randomk_gather")
@@ -267,11 +280,15 @@ def _signed_seed(seed: int) -> int:
     return seed - (1 << 64) if seed >= 1 << 63 else seed
 
 
-def _check_vector(name: str, t: torch.Tensor, dtypes: Sequence[torch.dtype] = _FLOAT_DTYPES) -> None:
+def _check_vector(
+    name: str, t: torch.Tensor, dtypes: Sequence[torch.dtype] = _FLOAT_DTYPES
+) -> None:
     if not isinstance(t, torch.Tensor):
         raise CodecError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != 1 or t.dtype not in dtypes:
-        raise CodecError(f"{name} must be a 1-D tensor of {'/'.join(str(d) for d in dtypes)}, got {t.dtype} {tuple(t.shape)}")
+        raise CodecError(
+            f"{name} must be a 1-D tensor of {'/'.join(str(d) for d in dtypes)}, got {t.dtype} {tuple(t.shape)}"
+        )
     if not t.is_contiguous():
         raise CodecError(f"{name} must be contiguous")
 
@@ -292,22 +309,33 @@ def pack_bits(fields: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack a 1-D uint8 tensor of ``bits``-wide fields LSB-first (see :mod:`commpress.bitpack`)."""
     check_bits(bits)
     if fields.dtype != torch.uint8 or fields.dim() != 1:
-        raise CodecError(f"fields must be a 1-D uint8 tensor, got {fields.dtype} {tuple(fields.shape)}")
+        raise CodecError(
+            f"fields must be a 1-D uint8 tensor, got {fields.dtype} {tuple(fields.shape)}"
+        )
     fields = fields.contiguous()
-    return _run("pack_bits", fields.device.type, (fields, bits), lambda: pack_bits_reference(fields, bits))
+    return _run(
+        "pack_bits", fields.device.type, (fields, bits), lambda: pack_bits_reference(fields, bits)
+    )
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Unpack ``n`` fields of ``bits`` bits from bytes made by :func:`pack_bits`."""
     check_bits(bits)
     if packed.dtype != torch.uint8 or packed.dim() != 1:
-        raise CodecError(f"packed must be a 1-D uint8 tensor, got {packed.dtype} {tuple(packed.shape)}")
+        raise CodecError(
+            f"packed must be a 1-D uint8 tensor, got {packed.dtype} {tuple(packed.shape)}"
+        )
     if packed.numel() != packed_nbytes(n, bits):
         raise CodecError(
             f"packed holds {packed.numel()} bytes, {n} fields of {bits} bits need {packed_nbytes(n, bits)}"
         )
     packed = packed.contiguous()
-    return _run("unpack_bits", packed.device.type, (packed, bits, n), lambda: unpack_bits_reference(packed, bits, n))
+    return _run(
+        "unpack_bits",
+        packed.device.type,
+        (packed, bits, n),
+        lambda: unpack_bits_reference(packed, bits, n),
+    )
 
 
 # ----- sign ---------------------------------------------------------------------------------------
@@ -323,12 +351,19 @@ def sign_encode(
     from .codecs.sign import encode_reference
 
     return _run(
-        "sign_encode", x.device.type, (x, residual, block_size), lambda: encode_reference(x, block_size, residual)
+        "sign_encode",
+        x.device.type,
+        (x, residual, block_size),
+        lambda: encode_reference(x, block_size, residual),
     )
 
 
 def sign_decode(
-    scales: torch.Tensor, bits: torch.Tensor, block_size: int, out: torch.Tensor, accumulate: bool = True
+    scales: torch.Tensor,
+    bits: torch.Tensor,
+    block_size: int,
+    out: torch.Tensor,
+    accumulate: bool = True,
 ) -> None:
     """``out = decode(scales, bits)``, or ``+=`` with ``accumulate``, for sign (1-D contiguous ``out``)."""
     _check_vector("out", out)
@@ -344,7 +379,12 @@ def sign_decode(
 
 # ----- qsgd ---------------------------------------------------------------------------------------
 def qsgd_encode(
-    x: torch.Tensor, bits: int, levels: int, bucket_size: int, seed: int, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    bits: int,
+    levels: int,
+    bucket_size: int,
+    seed: int,
+    residual: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(norms, packed)`` of QSGD for 1-D ``x``; see :func:`commpress.codecs.qsgd.encode_reference`.
 
@@ -393,7 +433,9 @@ def topk_select(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return _run("topk_select", x.device.type, (x, k), lambda: select_reference(x, k))
 
 
-def sparse_scatter_add(indices: Sequence[torch.Tensor], values: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+def sparse_scatter_add(
+    indices: Sequence[torch.Tensor], values: Sequence[torch.Tensor], out: torch.Tensor
+) -> None:
     """``out[indices[p]] += values[p]`` for every payload p, in order (bounds/duplicate-checked)."""
     _check_vector("out", out)
     indices, values = list(indices), list(values)
@@ -414,7 +456,12 @@ def randomk_gather(x: torch.Tensor, k: int, seed: int, scaled: bool) -> torch.Te
     signed = _signed_seed(seed)
     from .codecs.randomk import gather_reference
 
-    return _run("randomk_gather", x.device.type, (x, k, signed, scaled), lambda: gather_reference(x, k, seed, scaled))
+    return _run(
+        "randomk_gather",
+        x.device.type,
+        (x, k, signed, scaled),
+        lambda: gather_reference(x, k, seed, scaled),
+    )
 
 
 def randomk_scatter_add(values: torch.Tensor, seed: int, out: torch.Tensor) -> None:

@@ -117,7 +117,7 @@ def _tree_sum(w, start, stop, kind, scale, buf, chunks):  # type: ignore[no-unty
 
 @njit(cache=True)
 def _corrected(x, e, has_e, mode, w):  # type: ignore[no-untyped-def]
-    """w = round(x + e) (or x); False when a value is NaN/Inf."""
+    """Write round(x + e), or x, into w; False when a value is NaN/Inf."""
     for i in range(x.size):
         if has_e:
             w[i] = _round(np.float64(x[i] + e[i]), mode)
@@ -190,7 +190,7 @@ def sign_encode(x, e, has_e, mode, block, scales, bits):  # type: ignore[no-unty
 
 @njit(cache=True)
 def sign_decode(scales, bits, block, out, accumulate, mode):  # type: ignore[no-untyped-def]
-    """out = (out if accumulate else 0) + round(+-scale)."""
+    """Set out to (out if accumulate else 0) + round(+-scale)."""
     for i in range(out.size):
         sc = scales[i // block]
         negative = (bits[i >> 3] >> (i & 7)) & 1
@@ -257,7 +257,7 @@ def qsgd_encode(x, e, has_e, mode, wide, bits, s, bucket, key, limit, norms, pac
 
 @njit(cache=True)
 def qsgd_decode(norms, packed, bits, s, bucket, out, accumulate, mode):  # type: ignore[no-untyped-def]
-    """out = (out if accumulate else 0) + round(norm * ((f - s) / s))."""
+    """Set out to (out if accumulate else 0) + round(norm * ((f - s) / s))."""
     lv = _level_values(bits, s, norms)
     mask = (1 << bits) - 1
     for i in range(out.size):

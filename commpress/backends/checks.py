@@ -70,10 +70,15 @@ def check_dtype(op: str, name: str, t: torch.Tensor, want: torch.dtype) -> None:
 def check_float(op: str, name: str, t: torch.Tensor) -> None:
     """``t`` has one of the codecs' float dtypes."""
     if t.dtype not in FLOAT_DTYPES:
-        raise fail(op, f"{name} must have dtype float32, float16, bfloat16 or float64, got {c10_name(t.dtype)}")
+        raise fail(
+            op,
+            f"{name} must have dtype float32, float16, bfloat16 or float64, got {c10_name(t.dtype)}",
+        )
 
 
-def check_same_device(op: str, name: str, t: torch.Tensor, ref: torch.Tensor, ref_name: str) -> None:
+def check_same_device(
+    op: str, name: str, t: torch.Tensor, ref: torch.Tensor, ref_name: str
+) -> None:
     """``t`` is on the same device as ``ref``."""
     if t.device != ref.device:
         raise fail(op, f"{name} is on {t.device} but {ref_name} is on {ref.device}")
@@ -123,10 +128,15 @@ def check_unpack(packed: torch.Tensor, bits: int, n: int, device: str) -> None:
         raise fail("unpack_bits", f"n must be >= 0, got {n}")
     expected = packed_nbytes(n, bits)
     if packed.numel() != expected:
-        raise fail("unpack_bits", f"packed holds {packed.numel()} bytes, but n={n} fields of bits={bits} need {expected}")
+        raise fail(
+            "unpack_bits",
+            f"packed holds {packed.numel()} bytes, but n={n} fields of bits={bits} need {expected}",
+        )
 
 
-def check_sign_encode(x: torch.Tensor, residual: torch.Tensor | None, block_size: int, device: str) -> int:
+def check_sign_encode(
+    x: torch.Tensor, residual: torch.Tensor | None, block_size: int, device: str
+) -> int:
     """Arguments of ``sign_encode``; returns the effective block length (>= 1)."""
     op = "sign_encode"
     check_vector(op, "x", x, device)
@@ -137,7 +147,9 @@ def check_sign_encode(x: torch.Tensor, residual: torch.Tensor | None, block_size
     return block_size or max(1, x.numel())
 
 
-def check_sign_decode(scales: torch.Tensor, bits: torch.Tensor, block_size: int, out: torch.Tensor, device: str) -> int:
+def check_sign_decode(
+    scales: torch.Tensor, bits: torch.Tensor, block_size: int, out: torch.Tensor, device: str
+) -> int:
     """Arguments of ``sign_decode``; returns the effective block length (>= 1)."""
     op = "sign_decode"
     check_vector(op, "out", out, device)
@@ -151,7 +163,10 @@ def check_sign_decode(scales: torch.Tensor, bits: torch.Tensor, block_size: int,
     n = out.numel()
     block = block_size or max(1, n)
     if scales.numel() != n_blocks(n, block):
-        raise fail(op, f"scales has {scales.numel()} elements, {n} outputs in blocks of {block} need {n_blocks(n, block)}")
+        raise fail(
+            op,
+            f"scales has {scales.numel()} elements, {n} outputs in blocks of {block} need {n_blocks(n, block)}",
+        )
     if bits.numel() != packed_nbytes(n, 1):
         raise fail(op, f"bits has {bits.numel()} bytes, {n} outputs need {packed_nbytes(n, 1)}")
     return block
@@ -180,7 +195,13 @@ def check_qsgd_encode(
 
 
 def check_qsgd_decode(
-    norms: torch.Tensor, packed: torch.Tensor, bits: int, levels: int, bucket: int, out: torch.Tensor, device: str
+    norms: torch.Tensor,
+    packed: torch.Tensor,
+    bits: int,
+    levels: int,
+    bucket: int,
+    out: torch.Tensor,
+    device: str,
 ) -> None:
     """Arguments of ``qsgd_decode``."""
     op = "qsgd_decode"
@@ -193,9 +214,15 @@ def check_qsgd_decode(
     check_dtype(op, "packed", packed, torch.uint8)
     n = out.numel()
     if norms.numel() != n_blocks(n, bucket):
-        raise fail(op, f"norms has {norms.numel()} elements, {n} outputs in buckets of {bucket} need {n_blocks(n, bucket)}")
+        raise fail(
+            op,
+            f"norms has {norms.numel()} elements, {n} outputs in buckets of {bucket} need {n_blocks(n, bucket)}",
+        )
     if packed.numel() != packed_nbytes(n, bits):
-        raise fail(op, f"packed has {packed.numel()} bytes, {n} fields of bits={bits} need {packed_nbytes(n, bits)}")
+        raise fail(
+            op,
+            f"packed has {packed.numel()} bytes, {n} fields of bits={bits} need {packed_nbytes(n, bits)}",
+        )
 
 
 def check_topk_select(x: torch.Tensor, k: int, device: str) -> None:
@@ -207,7 +234,9 @@ def check_topk_select(x: torch.Tensor, k: int, device: str) -> None:
         raise fail(op, f"k must be in [0, numel={x.numel()}], got {k}")
 
 
-def check_scatter_payloads(indices: Sequence[torch.Tensor], values: Sequence[torch.Tensor], out: torch.Tensor, device: str) -> None:
+def check_scatter_payloads(
+    indices: Sequence[torch.Tensor], values: Sequence[torch.Tensor], out: torch.Tensor, device: str
+) -> None:
     """Shapes and dtypes of ``sparse_scatter_add`` (the index values are checked by the backend)."""
     op = "sparse_scatter_add"
     check_vector(op, "out", out, device)
@@ -218,11 +247,17 @@ def check_scatter_payloads(indices: Sequence[torch.Tensor], values: Sequence[tor
         check_vector(op, "indices[p]", idx, device)
         check_vector(op, "values[p]", val, device)
         if idx.dtype not in (torch.int32, torch.int64):
-            raise fail(op, f"indices[{p}] must have dtype int32 or int64, got {c10_name(idx.dtype)}")
+            raise fail(
+                op, f"indices[{p}] must have dtype int32 or int64, got {c10_name(idx.dtype)}"
+            )
         if val.dtype != out.dtype:
-            raise fail(op, f"values[{p}] has dtype {c10_name(val.dtype)}, out has {c10_name(out.dtype)}")
+            raise fail(
+                op, f"values[{p}] has dtype {c10_name(val.dtype)}, out has {c10_name(out.dtype)}"
+            )
         if idx.numel() != val.numel():
-            raise fail(op, f"indices[{p}] has {idx.numel()} elements, values[{p}] has {val.numel()}")
+            raise fail(
+                op, f"indices[{p}] has {idx.numel()} elements, values[{p}] has {val.numel()}"
+            )
 
 
 def bad_index_message(p: int, j: int, value: int, previous: int, n: int) -> str:

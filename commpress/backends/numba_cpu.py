@@ -105,7 +105,10 @@ def pack_bits(fields: torch.Tensor, bits: int) -> torch.Tensor:
     bad = _kernels().pack(_np(fields), bits, _np(packed))
     if bad >= 0:
         value = int(fields[bad])
-        raise fail("pack_bits", f"fields[{bad}] = {value} does not fit in bits={bits} (every field must be < {1 << bits})")
+        raise fail(
+            "pack_bits",
+            f"fields[{bad}] = {value} does not fit in bits={bits} (every field must be < {1 << bits})",
+        )
     return packed
 
 
@@ -123,10 +126,15 @@ def _raise_encode_status(op: str, status: int, has_e: bool, what: str, dtype: to
         source = "x + residual" if has_e else "x"
         raise fail(op, f"{source} contains NaN or Inf (non-finite input; nothing was written)")
     if status == _OVERFLOW:
-        raise fail(op, f"{what} overflows {c10_name(compute_dtype(dtype))} (NaN or Inf; nothing was written)")
+        raise fail(
+            op,
+            f"{what} overflows {c10_name(compute_dtype(dtype))} (NaN or Inf; nothing was written)",
+        )
 
 
-def sign_encode(x: torch.Tensor, residual: torch.Tensor | None, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sign_encode(
+    x: torch.Tensor, residual: torch.Tensor | None, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(scales, bits)`` of sign; with ``residual``, fused error feedback (updated in place)."""
     block = checks.check_sign_encode(x, residual, block_size, DEVICE)
     n = x.numel()
@@ -137,24 +145,41 @@ def sign_encode(x: torch.Tensor, residual: torch.Tensor | None, block_size: int)
         return scales, bits
     xc = _as_compute(x)
     e = _np(residual) if residual is not None else _np(xc[:0])
-    status = _kernels().sign_encode(_np(xc), e, residual is not None, _MODE[x.dtype], block, _np(scales), _np(bits))
-    _raise_encode_status("sign_encode", status, residual is not None, "a block's mean magnitude", x.dtype)
+    status = _kernels().sign_encode(
+        _np(xc), e, residual is not None, _MODE[x.dtype], block, _np(scales), _np(bits)
+    )
+    _raise_encode_status(
+        "sign_encode", status, residual is not None, "a block's mean magnitude", x.dtype
+    )
     return scales, bits
 
 
-def sign_decode(scales: torch.Tensor, bits: torch.Tensor, block_size: int, out: torch.Tensor, accumulate: bool = True) -> None:
+def sign_decode(
+    scales: torch.Tensor,
+    bits: torch.Tensor,
+    block_size: int,
+    out: torch.Tensor,
+    accumulate: bool = True,
+) -> None:
     """``out (+)= +-scale`` per element."""
     block = checks.check_sign_decode(scales, bits, block_size, out, DEVICE)
     if out.numel() == 0:
         return
     work = _as_compute(out)
-    _kernels().sign_decode(_np(scales), _np(bits), block, _np(work), bool(accumulate), _MODE[out.dtype])
+    _kernels().sign_decode(
+        _np(scales), _np(bits), block, _np(work), bool(accumulate), _MODE[out.dtype]
+    )
     _finish_write(out, work)
 
 
 # ----- qsgd --------------------------------------------------------------------------------------
 def qsgd_encode(
-    x: torch.Tensor, residual: torch.Tensor | None, bits: int, levels: int, bucket_size: int, seed: int
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    bits: int,
+    levels: int,
+    bucket_size: int,
+    seed: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(norms, packed levels)`` of QSGD; with ``residual``, fused error feedback."""
     checks.check_qsgd_encode(x, residual, bits, levels, bucket_size, DEVICE)
@@ -169,8 +194,18 @@ def qsgd_encode(
     limit = float(torch.finfo(x.dtype).max)
     level_count = np.float64(levels) if ct == torch.float64 else np.float32(levels)
     status = _kernels().qsgd_encode(
-        _np(xc), e, residual is not None, _MODE[x.dtype], ct == torch.float64, bits, level_count, bucket_size,
-        _rng_key(seed, rng.STREAM_QSGD), limit, _np(norms), _np(packed),
+        _np(xc),
+        e,
+        residual is not None,
+        _MODE[x.dtype],
+        ct == torch.float64,
+        bits,
+        level_count,
+        bucket_size,
+        _rng_key(seed, rng.STREAM_QSGD),
+        limit,
+        _np(norms),
+        _np(packed),
     )
     _raise_encode_status("qsgd_encode", status, residual is not None, "a bucket norm", x.dtype)
     if status == _ABOVE_LIMIT:
@@ -183,7 +218,13 @@ def qsgd_encode(
 
 
 def qsgd_decode(
-    norms: torch.Tensor, packed: torch.Tensor, bits: int, levels: int, bucket_size: int, out: torch.Tensor, accumulate: bool = True
+    norms: torch.Tensor,
+    packed: torch.Tensor,
+    bits: int,
+    levels: int,
+    bucket_size: int,
+    out: torch.Tensor,
+    accumulate: bool = True,
 ) -> None:
     """``out (+)= norm * ((field - s) / s)`` per element."""
     checks.check_qsgd_decode(norms, packed, bits, levels, bucket_size, out, DEVICE)
@@ -191,7 +232,16 @@ def qsgd_decode(
         return
     work = _as_compute(out)
     level_count = np.float64(levels) if work.dtype == torch.float64 else np.float32(levels)
-    _kernels().qsgd_decode(_np(norms), _np(packed), bits, level_count, bucket_size, _np(work), bool(accumulate), _MODE[out.dtype])
+    _kernels().qsgd_decode(
+        _np(norms),
+        _np(packed),
+        bits,
+        level_count,
+        bucket_size,
+        _np(work),
+        bool(accumulate),
+        _MODE[out.dtype],
+    )
     _finish_write(out, work)
 
 
@@ -208,7 +258,9 @@ def topk_select(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return idx.to(index_dtype), x[idx]
 
 
-def sparse_scatter_add(indices: Sequence[torch.Tensor], values: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+def sparse_scatter_add(
+    indices: Sequence[torch.Tensor], values: Sequence[torch.Tensor], out: torch.Tensor
+) -> None:
     """``out[indices[p]] += values[p]`` payload by payload; every payload is checked first."""
     indices, values = list(indices), list(values)
     checks.check_scatter_payloads(indices, values, out, DEVICE)
@@ -236,12 +288,21 @@ def randomk_gather(x: torch.Tensor, k: int, seed: int, scaled: bool) -> torch.Te
     if n == 0:
         return values.to(x.dtype)
     status = _kernels().randomk_gather(
-        _np(xc), k, _rng_key(seed, rng.STREAM_RANDOMK), bool(scaled), _MODE[x.dtype], xc.dtype == torch.float64, _np(values)
+        _np(xc),
+        k,
+        _rng_key(seed, rng.STREAM_RANDOMK),
+        bool(scaled),
+        _MODE[x.dtype],
+        xc.dtype == torch.float64,
+        _np(values),
     )
     if status == _NON_FINITE:
         raise fail("randomk_gather", "x contains NaN or Inf (non-finite input)")
     if status == _OVERFLOW:
-        raise fail("randomk_gather", f"x scaled by its block length overflows {c10_name(x.dtype)}; use scaled=False")
+        raise fail(
+            "randomk_gather",
+            f"x scaled by its block length overflows {c10_name(x.dtype)}; use scaled=False",
+        )
     return values if values.dtype == x.dtype else values.to(x.dtype)
 
 
@@ -269,5 +330,3 @@ def warm_up() -> None:
     sparse_scatter_add([i], [v], torch.zeros(100))
     randomk_scatter_add(randomk_gather(x, 5, 1, True), 1, torch.zeros(100))
     unpack_bits(pack_bits(torch.ones(9, dtype=torch.uint8), 1), 1, 9)
-
-
