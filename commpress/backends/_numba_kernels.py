@@ -32,20 +32,20 @@ _OK, _NON_FINITE, _OVERFLOW, _ABOVE_LIMIT = 0, 1, 2, 3
 
 
 @njit(cache=True)
-def _mix64(z):  # type: ignore[no-untyped-def]
+def _mix64(z):
     z = (z ^ (z >> np.uint64(30))) * _M1
     z = (z ^ (z >> np.uint64(27))) * _M2
     return z ^ (z >> np.uint64(31))
 
 
 @njit(cache=True)
-def _draw(key, i):  # type: ignore[no-untyped-def]
+def _draw(key, i):
     """r_i of commpress.rng: mix64(key + (i + 1) * golden), all uint64."""
     return _mix64(key + np.uint64(i + 1) * _GOLDEN)
 
 
 @njit(cache=True)
-def _round(v, mode):  # type: ignore[no-untyped-def]
+def _round(v, mode):
     """``v`` (a float64 holding a float32 value) rounded to float16 / bfloat16, nearest even."""
     if mode == 0:
         return v
@@ -72,7 +72,7 @@ def _round(v, mode):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True)
-def _add(a, b, mode):  # type: ignore[no-untyped-def]
+def _add(a, b, mode):
     """``a + b`` the way torch adds two tensors of the rounded dtype (float64 when mode 0)."""
     s = np.float64(a) + np.float64(b)
     if mode == 0:
@@ -81,7 +81,7 @@ def _add(a, b, mode):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True)
-def _tree_sum(w, start, stop, kind, scale, buf, chunks):  # type: ignore[no-untyped-def]
+def _tree_sum(w, start, stop, kind, scale, buf, chunks):
     """commpress.codecs.base.tree_sum of |w|, w^2 or (w/scale)^2 over w[start:stop], in float64."""
     length = stop - start
     nchunks = max(1, (length + _SUM_CHUNK - 1) // _SUM_CHUNK)
@@ -116,7 +116,7 @@ def _tree_sum(w, start, stop, kind, scale, buf, chunks):  # type: ignore[no-unty
 
 
 @njit(cache=True)
-def _corrected(x, e, has_e, mode, w):  # type: ignore[no-untyped-def]
+def _corrected(x, e, has_e, mode, w):
     """Write round(x + e), or x, into w; False when a value is NaN/Inf."""
     for i in range(x.size):
         if has_e:
@@ -130,7 +130,7 @@ def _corrected(x, e, has_e, mode, w):  # type: ignore[no-untyped-def]
 
 # ----- bit packing -------------------------------------------------------------------------------
 @njit(cache=True)
-def pack(fields, bits, packed):  # type: ignore[no-untyped-def]
+def pack(fields, bits, packed):
     """Pack LSB-first; returns the index of the first field that does not fit, or -1."""
     n = fields.size
     limit = 1 << bits
@@ -149,7 +149,7 @@ def pack(fields, bits, packed):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True)
-def unpack(packed, bits, n, fields):  # type: ignore[no-untyped-def]
+def unpack(packed, bits, n, fields):
     """Unpack n fields."""
     mask = (1 << bits) - 1
     for i in range(n):
@@ -159,7 +159,7 @@ def unpack(packed, bits, n, fields):  # type: ignore[no-untyped-def]
 
 # ----- sign --------------------------------------------------------------------------------------
 @njit(cache=True)
-def sign_encode(x, e, has_e, mode, block, scales, bits):  # type: ignore[no-untyped-def]
+def sign_encode(x, e, has_e, mode, block, scales, bits):
     """Scales, bits and (with has_e) the new residual; returns a status, writes e only on OK."""
     n = x.size
     w = np.empty_like(x)
@@ -189,7 +189,7 @@ def sign_encode(x, e, has_e, mode, block, scales, bits):  # type: ignore[no-unty
 
 
 @njit(cache=True)
-def sign_decode(scales, bits, block, out, accumulate, mode):  # type: ignore[no-untyped-def]
+def sign_decode(scales, bits, block, out, accumulate, mode):
     """Set out to (out if accumulate else 0) + round(+-scale)."""
     for i in range(out.size):
         sc = scales[i // block]
@@ -201,7 +201,7 @@ def sign_decode(scales, bits, block, out, accumulate, mode):  # type: ignore[no-
 
 # ----- qsgd --------------------------------------------------------------------------------------
 @njit(cache=True)
-def _level_values(bits, s, like):  # type: ignore[no-untyped-def]
+def _level_values(bits, s, like):
     """(f - s) / s for every field f, in the compute dtype of ``like``."""
     lv = np.empty(1 << bits, dtype=like.dtype)
     for f in range(lv.size):
@@ -210,7 +210,7 @@ def _level_values(bits, s, like):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True)
-def qsgd_encode(x, e, has_e, mode, wide, bits, s, bucket, key, limit, norms, packed):  # type: ignore[no-untyped-def]
+def qsgd_encode(x, e, has_e, mode, wide, bits, s, bucket, key, limit, norms, packed):
     """Norms, packed levels and (with has_e) the new residual; returns a status. wide: float64."""
     n = x.size
     w = np.empty_like(x)
@@ -256,7 +256,7 @@ def qsgd_encode(x, e, has_e, mode, wide, bits, s, bucket, key, limit, norms, pac
 
 
 @njit(cache=True)
-def qsgd_decode(norms, packed, bits, s, bucket, out, accumulate, mode):  # type: ignore[no-untyped-def]
+def qsgd_decode(norms, packed, bits, s, bucket, out, accumulate, mode):
     """Set out to (out if accumulate else 0) + round(norm * ((f - s) / s))."""
     lv = _level_values(bits, s, norms)
     mask = (1 << bits) - 1
@@ -270,7 +270,7 @@ def qsgd_decode(norms, packed, bits, s, bucket, out, accumulate, mode):  # type:
 
 # ----- top-k -------------------------------------------------------------------------------------
 @njit(cache=True)
-def topk_select(x, k, idx):  # type: ignore[no-untyped-def]
+def topk_select(x, k, idx):
     """Indices of the k largest |x|, ties to the lower index, ascending; False on NaN/Inf."""
     n = x.size
     mags = np.empty_like(x)
@@ -298,7 +298,7 @@ def topk_select(x, k, idx):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True)
-def first_bad_index(idx, n):  # type: ignore[no-untyped-def]
+def first_bad_index(idx, n):
     """Position of the first index out of [0, n) or not above its predecessor, or -1."""
     for j in range(idx.size):
         v = idx[j]
@@ -308,7 +308,7 @@ def first_bad_index(idx, n):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True)
-def scatter_add(idx, values, out, mode):  # type: ignore[no-untyped-def]
+def scatter_add(idx, values, out, mode):
     """out[idx[j]] += values[j] (checked, distinct indices)."""
     for j in range(idx.size):
         out[idx[j]] = _add(out[idx[j]], values[j], mode)
@@ -316,7 +316,7 @@ def scatter_add(idx, values, out, mode):  # type: ignore[no-untyped-def]
 
 # ----- random-k ----------------------------------------------------------------------------------
 @njit(cache=True)
-def _stratum(j, n, k):  # type: ignore[no-untyped-def]
+def _stratum(j, n, k):
     """(start, length) of stratum j of k over n: edges floor(j * n / k) without overflow."""
     q, r = n // k, n % k
     start = j * q + j * r // k
@@ -325,14 +325,14 @@ def _stratum(j, n, k):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True)
-def _position(key, j, n, k):  # type: ignore[no-untyped-def]
+def _position(key, j, n, k):
     start, length = _stratum(j, n, k)
     hi = _draw(key, j) >> np.uint64(32)
     return start + np.int64((hi * np.uint64(length)) >> np.uint64(32)), length
 
 
 @njit(cache=True)
-def randomk_gather(x, k, key, scaled, mode, wide, values):  # type: ignore[no-untyped-def]
+def randomk_gather(x, k, key, scaled, mode, wide, values):
     """One value per stratum (times the stratum length when scaled); returns a status."""
     n = x.size
     for i in range(n):
@@ -355,7 +355,7 @@ def randomk_gather(x, k, key, scaled, mode, wide, values):  # type: ignore[no-un
 
 
 @njit(cache=True)
-def randomk_scatter_add(values, key, out, mode):  # type: ignore[no-untyped-def]
+def randomk_scatter_add(values, key, out, mode):
     """out[position_j] += values[j] for the seed's strata."""
     n, k = out.size, values.size
     for j in range(k):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 import torch
@@ -66,7 +67,7 @@ def unavailable() -> str | None:
 
 
 @lru_cache(maxsize=1)
-def _kernels():  # type: ignore[no-untyped-def]
+def _kernels() -> Any:
     # Compiled on first use (and cached on disk), so importing commpress never pays for it.
     from . import _numba_kernels
 
