@@ -1,10 +1,11 @@
 """Codec kernels: every backend against the pure-torch reference, bit for bit.
 
-Backends: ``cpu:<isa>`` (the native CPU kernels, once per instruction-set variant this CPU
-runs: default, avx2, avx512) and ``cuda`` (when a GPU and the CUDA kernels are present). Each
-case runs the reference (commpress/codecs/*.py) and the backend on the same input and compares
-every output, residuals included, bit for bit (floats compared as integers, so even the sign of
-a zero must match). Then ``torch.library.opcheck`` on every op, and bad input.
+Backends (tests/kernel_backends.py): ``cpu:<isa>`` (the native CPU kernels, once per
+instruction-set variant this CPU runs: default, avx2, avx512), ``numba``, and ``cuda`` /
+``cupy`` when a GPU is present. Each case runs the reference (commpress/codecs/*.py) and the
+backend on the same input and compares every output, residuals included, bit for bit (floats
+compared as integers, so even the sign of a zero must match). Then ``torch.library.opcheck``
+on every native op, and bad input, which every backend must reject with the same message.
 """
 
 from __future__ import annotations
@@ -19,42 +20,17 @@ from commpress.codecs import sign as sign_mod
 from commpress.codecs import topk as topk_mod
 from commpress.codecs.base import Codec, NonFiniteError, tree_sum
 
-NATIVE_REASON = ops.load_native()
+import kernel_backends
+
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 BITS_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 # Lengths around every boundary of the kernels: bytes (8), sum chunks (32), pass-2 tiles (512),
 # summation groups and parallel tasks (32768).
 LENGTHS = [0, 1, 7, 9, 31, 33, 100, 513, 32768 + 33, 131075]
 
-
-def _backends(all_isas: bool) -> list:
-    out = []
-    if NATIVE_REASON is not None:
-        return [pytest.param("cpu", marks=pytest.mark.skip(reason=f"commpress._C not available: {NATIVE_REASON}"))]
-    # the loops that differ between instruction-set variants are tested on every variant;
-    # the rest on the variant the CPU picks by default
-    for isa in ops.cpu_isas() if all_isas else [ops.cpu_isa()]:
-        out.append(f"cpu:{isa}")
-    cuda_ok = torch.cuda.is_available() and ops.has_native("sign_encode", "cuda")
-    out.append(pytest.param("cuda", marks=[] if cuda_ok else [pytest.mark.skip(reason="no CUDA device or CUDA kernels")]))
-    return out
-
-
-BACKENDS = _backends(all_isas=True)
-MAIN_BACKENDS = _backends(all_isas=False)
-
-
-@pytest.fixture
-def backend(request):
-    """Yield the device of the backend under test, with its CPU variant selected."""
-    name = request.param
-    if name.startswith("cpu:"):
-        before = ops.cpu_isa()
-        ops.cpu_isa(name.split(":")[1])
-        yield "cpu"
-        ops.cpu_isa(before or "")
-    else:
-        yield name
+BACKENDS = kernel_backends.params(all_isas=True)
+MAIN_BACKENDS = kernel_backends.params(all_isas=False)
+TORCH_OP_BACKENDS = kernel_backends.params(all_isas=False, python=False)
 
 
 def parametrize_backends(fn):
@@ -146,7 +122,7 @@ def test_sign_encode_decode(backend: str, dtype: torch.dtype) -> None:
                 e_ref = None if e is None else e.clone()
                 want = sign_mod.encode_reference(x, block, e_ref)
                 xd, ed = on(backend, x, e)
-                got = torch.ops.commpress.sign_encode(xd, ed, block)
+                got = backend.ops.sign_encode(xd, ed, block)
                 assert_same(got, want, f"sign_encode {case}")
                 if with_e:
                     assert same_bits(ed, e_ref), f"sign_encode residual {case}"
@@ -155,7 +131,7 @@ def test_sign_encode_decode(backend: str, dtype: torch.dtype) -> None:
                     out_ref = out.clone()
                     sign_mod.decode_reference(*want, block, out_ref, acc)
                     (outd,) = on(backend, out)
-                    torch.ops.commpress.sign_decode(*on(backend, *want), block, outd, acc)
+                    backend.ops.sign_decode(*on(backend, *want), block, outd, acc)
                     assert same_bits(outd, out_ref), f"sign_decode accumulate={acc} {case}"
 
 
@@ -179,7 +155,7 @@ def test_qsgd_encode_decode(backend: str, dtype: torch.dtype) -> None:
                 want = qsgd_mod.encode_reference(x, bits, levels, bucket, seed, e_ref)
                 xd, ed = on(backend, x, e)
                 signed = seed - (1 << 64) if seed >= 1 << 63 else seed
-                got = torch.ops.commpress.qsgd_encode(xd, ed, bits, levels, bucket, signed)
+                got = backend.ops.qsgd_encode(xd, ed, bits, levels, bucket, signed)
                 assert_same(got, want, f"qsgd_encode {case}")
                 if with_e:
                     assert same_bits(ed, e_ref), f"qsgd_encode residual {case}"
@@ -188,7 +164,7 @@ def test_qsgd_encode_decode(backend: str, dtype: torch.dtype) -> None:
                     out_ref = out.clone()
                     qsgd_mod.decode_reference(*want, bits, levels, bucket, out_ref, acc)
                     (outd,) = on(backend, out)
-                    torch.ops.commpress.qsgd_decode(*on(backend, *want), bits, levels, bucket, outd, acc)
+                    backend.ops.qsgd_decode(*on(backend, *want), bits, levels, bucket, outd, acc)
                     assert same_bits(outd, out_ref), f"qsgd_decode accumulate={acc} {case}"
 
 
@@ -201,7 +177,7 @@ def test_qsgd_decode_accepts_any_field_like_the_reference(backend: str) -> None:
     out_ref = torch.zeros(256)
     qsgd_mod.decode_reference(norms, packed, 8, 3, 256, out_ref)
     (outd,) = on(backend, torch.zeros(256))
-    torch.ops.commpress.qsgd_decode(*on(backend, norms, packed), 8, 3, 256, outd)
+    backend.ops.qsgd_decode(*on(backend, norms, packed), 8, 3, 256, outd)
     assert same_bits(outd, out_ref)
 
 
@@ -221,7 +197,7 @@ def test_topk_select(backend: str, dtype: torch.dtype) -> None:
                 case = f"n={n} k={k} kind={kind} {dtype}"
                 x = sample(n, dtype, seed=n + k, kind=kind)
                 want = topk_mod.select_reference(x, k)
-                got = torch.ops.commpress.topk_select(*on(backend, x), k)
+                got = backend.ops.topk_select(*on(backend, x), k)
                 assert_same(got, want, f"topk_select {case}")
 
 
@@ -241,7 +217,7 @@ def test_sparse_scatter_add(backend: str, dtype: torch.dtype) -> None:
             out_ref = out.clone()
             topk_mod.scatter_add_reference(idx, val, out_ref)
             (outd,) = on(backend, out)
-            torch.ops.commpress.sparse_scatter_add(on(backend, *idx), on(backend, *val), outd)
+            backend.ops.sparse_scatter_add(on(backend, *idx), on(backend, *val), outd)
             assert same_bits(outd, out_ref), f"sparse_scatter_add n={n} payloads={payloads} {dtype}"
 
 
@@ -262,13 +238,13 @@ def test_randomk_gather_scatter(backend: str, dtype: torch.dtype) -> None:
                     continue  # the stratum length itself overflows float16 (tested below)
                 x = sample(n, dtype, seed=n + k) * (0.01 if dtype == torch.float16 else 1)
                 want = randomk_mod.gather_reference(x, k, seed, scaled)
-                got = torch.ops.commpress.randomk_gather(*on(backend, x), k, signed, scaled)
+                got = backend.ops.randomk_gather(*on(backend, x), k, signed, scaled)
                 assert_same(got, want, f"randomk_gather {case}")
                 out = sample(n, dtype, seed=k)
                 out_ref = out.clone()
                 randomk_mod.scatter_add_reference(want, seed, out_ref)
                 (outd,) = on(backend, out)
-                torch.ops.commpress.randomk_scatter_add(*on(backend, want), signed, outd)
+                backend.ops.randomk_scatter_add(*on(backend, want), signed, outd)
                 assert same_bits(outd, out_ref), f"randomk_scatter_add {case}"
 
 
@@ -368,7 +344,7 @@ def _opcheck_samples(device: str):
     ]
 
 
-@parametrize_backends
+@pytest.mark.parametrize("backend", TORCH_OP_BACKENDS, indirect=True)
 def test_opcheck(backend: str) -> None:
     for op, args in _opcheck_samples(backend):
         torch.library.opcheck(op, args)
@@ -381,7 +357,7 @@ def test_opcheck(backend: str) -> None:
 @parametrize_backends
 def test_bad_input(backend: str) -> None:
     dev = backend
-    c = torch.ops.commpress
+    c = backend.ops
     x = torch.randn(64, device=dev)
     z = torch.zeros(64, device=dev)
     cases = [
@@ -415,7 +391,7 @@ def test_bad_input(backend: str) -> None:
 @parametrize_backends
 def test_scatter_rejects_bad_indices_before_writing(backend: str) -> None:
     dev = backend
-    c = torch.ops.commpress
+    c = backend.ops
     out = torch.zeros(10, device=dev)
     good = torch.tensor([1, 4], device=dev)
     ones = torch.ones(2, device=dev)
@@ -440,7 +416,7 @@ def test_scatter_rejects_bad_indices_before_writing(backend: str) -> None:
 @parametrize_backends
 def test_non_finite_and_overflow_raise_before_writing(backend: str) -> None:
     dev = backend
-    c = torch.ops.commpress
+    c = backend.ops
     x = torch.randn(5000, device=dev)
     x[4321] = float("inf")
     e = torch.randn(5000, device=dev)
@@ -464,12 +440,17 @@ def test_non_finite_and_overflow_raise_before_writing(backend: str) -> None:
         c.randomk_gather(torch.full((1000,), 1e3, dtype=torch.float16, device=dev), 10, 0, True)
 
 
-def test_wrappers_map_errors() -> None:
-    x = torch.randn(100)
+@parametrize_backends
+def test_wrappers_map_errors(backend) -> None:
+    # the codecs' wrappers run on the backend under test, and map its errors the same way
+    assert ops.backend_for("sign_encode", backend) == ("native" if backend.native else backend.name)
+    x = torch.randn(100, device=backend)
     x[3] = float("nan")
     with pytest.raises(NonFiniteError, match="NaN or Inf"):
         ops.sign_encode(x, 0)
     with pytest.raises(CodecError, match="k must be in"):
-        ops.topk_select(torch.randn(5), 6)
+        ops.topk_select(torch.randn(5, device=backend), 6)
     with pytest.raises(CodecError, match="residual"):
-        ops.sign_encode(torch.randn(5), 0, residual=torch.zeros(5, dtype=torch.float64))
+        ops.sign_encode(torch.randn(5, device=backend), 0, residual=torch.zeros(5, dtype=torch.float64, device=backend))
+    with pytest.raises(NonFiniteError, match="NaN or Inf"):
+        ops.qsgd_encode(x, 4, 7, 64, 0)

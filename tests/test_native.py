@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from commpress import ops
@@ -25,6 +25,8 @@ from commpress.bitpack import (
     unpack_bits_reference,
 )
 from commpress.errors import CodecError
+
+import kernel_backends
 
 ROOT = Path(__file__).resolve().parents[1]
 NATIVE_REASON = ops.load_native()
@@ -38,31 +40,16 @@ EDGE_LENGTHS = sorted(
 LARGE_LENGTH = 2**20 + 3
 
 
-def _skip_reason(device: str) -> str | None:
-    if NATIVE_REASON is not None:
-        return f"commpress._C not available: {NATIVE_REASON}"
-    if device == "cuda" and not torch.cuda.is_available():
-        return "no CUDA device"
-    if not (ops.has_native("pack_bits", device) and ops.has_native("unpack_bits", device)):
-        return f"commpress._C was built without {device} kernels"
-    return None
+BACKENDS = kernel_backends.params(all_isas=False, op="pack_bits")
+TORCH_OP_BACKENDS = kernel_backends.params(all_isas=False, op="pack_bits", python=False)
 
 
-DEVICES = [
-    pytest.param(d, marks=[pytest.mark.skip(reason=r)] if (r := _skip_reason(d)) else [])
-    for d in ("cpu", "cuda")
-]
-needs_native_cpu = pytest.mark.skipif(
-    _skip_reason("cpu") is not None, reason=str(_skip_reason("cpu"))
-)
+def pack(backend, fields: torch.Tensor, bits: int) -> torch.Tensor:
+    return backend.ops.pack_bits(fields, bits)
 
 
-def pack(fields: torch.Tensor, bits: int) -> torch.Tensor:
-    return torch.ops.commpress.pack_bits.default(fields, bits)
-
-
-def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    return torch.ops.commpress.unpack_bits.default(packed, bits, n)
+def unpack(backend, packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    return backend.ops.unpack_bits(packed, bits, n)
 
 
 def random_fields(n: int, bits: int, seed: int, device: str) -> torch.Tensor:
@@ -75,78 +62,78 @@ def random_bytes(n: int, seed: int, device: str) -> torch.Tensor:
     return random_fields(n, 8, seed, device)
 
 
-def check_matches_reference(n: int, bits: int, seed: int, device: str) -> None:
+def check_matches_reference(n: int, bits: int, seed: int, backend) -> None:
     case = f"n={n} bits={bits} seed={seed}"
-    fields = random_fields(n, bits, seed, device)
-    packed = pack(fields, bits)
+    fields = random_fields(n, bits, seed, backend)
+    packed = pack(backend, fields, bits)
     assert packed.device == fields.device, case
     assert packed.dtype == torch.uint8 and packed.shape == (packed_nbytes(n, bits),), case
     assert torch.equal(packed.cpu(), pack_bits_reference(fields.cpu(), bits)), case
-    assert torch.equal(unpack(packed, bits, n), fields), case
+    assert torch.equal(unpack(backend, packed, bits, n), fields), case
 
-    noisy = random_bytes(packed_nbytes(n, bits), seed + 1, device)
+    noisy = random_bytes(packed_nbytes(n, bits), seed + 1, backend)
     expected = unpack_bits_reference(noisy.cpu(), bits, n)
-    assert torch.equal(unpack(noisy, bits, n).cpu(), expected), case
+    assert torch.equal(unpack(backend, noisy, bits, n).cpu(), expected), case
 
 
 # ---------------------------------------------------------------------------------------------
 # Bit-exactness against the reference
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 @pytest.mark.parametrize("bits", SUPPORTED_BITS)
-def test_edge_lengths_match_reference(bits: int, device: str) -> None:
+def test_edge_lengths_match_reference(bits: int, backend) -> None:
     for n in EDGE_LENGTHS:
-        check_matches_reference(n, bits, seed=n * 8 + bits, device=device)
+        check_matches_reference(n, bits, seed=n * 8 + bits, backend=backend)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 @pytest.mark.parametrize("bits", SUPPORTED_BITS)
-def test_large_input_matches_reference(bits: int, device: str) -> None:
-    check_matches_reference(LARGE_LENGTH, bits, seed=bits, device=device)
+def test_large_input_matches_reference(bits: int, backend) -> None:
+    check_matches_reference(LARGE_LENGTH, bits, seed=bits, backend=backend)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@settings(deadline=None, max_examples=300)
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+@settings(deadline=None, max_examples=300, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     n=st.one_of(st.sampled_from(EDGE_LENGTHS), st.integers(0, 5000)),
     bits=st.sampled_from(SUPPORTED_BITS),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_random_lengths_match_reference(device: str, n: int, bits: int, seed: int) -> None:
-    check_matches_reference(n, bits, seed, device)
+def test_random_lengths_match_reference(backend, n: int, bits: int, seed: int) -> None:
+    check_matches_reference(n, bits, seed, backend)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 @pytest.mark.parametrize("bits", SUPPORTED_BITS)
-def test_views_with_storage_offset(bits: int, device: str) -> None:
+def test_views_with_storage_offset(bits: int, backend) -> None:
     # A contiguous slice starts mid-storage: kernels must honour the data pointer's offset.
-    fields = random_fields(101, bits, seed=bits, device=device)[3:]
-    packed = pack(fields, bits)
+    fields = random_fields(101, bits, seed=bits, device=backend)[3:]
+    packed = pack(backend, fields, bits)
     assert torch.equal(packed.cpu(), pack_bits_reference(fields.cpu(), bits))
-    wider = torch.cat([torch.zeros(5, dtype=torch.uint8, device=device), packed])
-    assert torch.equal(unpack(wider[5:], bits, fields.numel()), fields)
+    wider = torch.cat([torch.zeros(5, dtype=torch.uint8, device=backend), packed])
+    assert torch.equal(unpack(backend, wider[5:], bits, fields.numel()), fields)
 
 
-@needs_native_cpu
-def test_wrappers_use_native_kernel_and_map_errors() -> None:
-    assert ops.native_ops()["pack_bits"][0] == "cpu"
-    fields = torch.tensor([1, 0, 1, 1, 0, 0, 0, 1, 1], dtype=torch.uint8)
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+def test_wrappers_use_the_backend_and_map_errors(backend) -> None:
+    assert ops.backend_for("pack_bits", backend) == ("native" if backend.native else backend.name)
+    fields = torch.tensor([1, 0, 1, 1, 0, 0, 0, 1, 1], dtype=torch.uint8, device=backend)
     assert ops.pack_bits(fields, 1).tolist() == [0b10001101, 1]
     with pytest.raises(CodecError, match=r"fields\[1\] = 5"):
-        ops.pack_bits(torch.tensor([0, 5], dtype=torch.uint8), 2)
+        ops.pack_bits(torch.tensor([0, 5], dtype=torch.uint8, device=backend), 2)
 
 
 # ---------------------------------------------------------------------------------------------
 # torch.library.opcheck: schema, fake kernels (registered by ops.load_native), AOT dispatch
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", TORCH_OP_BACKENDS, indirect=True)
 @pytest.mark.parametrize("n, bits", [(0, 1), (1, 2), (33, 1), (100, 2), (257, 4), (64, 8)])
-def test_opcheck(n: int, bits: int, device: str) -> None:
-    fields = random_fields(n, bits, seed=n, device=device)
+def test_opcheck(n: int, bits: int, backend) -> None:
+    fields = random_fields(n, bits, seed=n, device=backend)
     torch.library.opcheck(torch.ops.commpress.pack_bits.default, (fields, bits))
-    packed = pack(fields, bits)
+    packed = pack(backend, fields, bits)
     torch.library.opcheck(torch.ops.commpress.unpack_bits.default, (packed, bits, n))
 
 
@@ -154,55 +141,55 @@ def test_opcheck(n: int, bits: int, device: str) -> None:
 # Bad input raises (TORCH_CHECK -> RuntimeError) with a message naming the argument
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_bad_bits(device: str) -> None:
-    fields = torch.zeros(4, dtype=torch.uint8, device=device)
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+def test_bad_bits(backend) -> None:
+    fields = torch.zeros(4, dtype=torch.uint8, device=backend)
     with pytest.raises(RuntimeError, match=r"pack_bits: bits must be one of 1, 2, 4, 8, got 3"):
-        pack(fields, 3)
+        pack(backend, fields, 3)
     with pytest.raises(RuntimeError, match=r"unpack_bits: bits must be one of 1, 2, 4, 8, got 3"):
-        unpack(fields, 3, 8)
+        unpack(backend, fields, 3, 8)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_bad_dtype(device: str) -> None:
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+def test_bad_dtype(backend) -> None:
     with pytest.raises(RuntimeError, match=r"pack_bits: fields must have dtype uint8, got Float"):
-        pack(torch.zeros(4, device=device), 1)
+        pack(backend, torch.zeros(4, device=backend), 1)
     with pytest.raises(RuntimeError, match=r"unpack_bits: packed must have dtype uint8, got Float"):
-        unpack(torch.zeros(1, device=device), 1, 8)
+        unpack(backend, torch.zeros(1, device=backend), 1, 8)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_bad_rank_and_layout(device: str) -> None:
-    grid = torch.zeros(2, 4, dtype=torch.uint8, device=device)
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+def test_bad_rank_and_layout(backend) -> None:
+    grid = torch.zeros(2, 4, dtype=torch.uint8, device=backend)
     with pytest.raises(RuntimeError, match=r"pack_bits: fields must be 1-D, got shape \[2, 4\]"):
-        pack(grid, 1)
+        pack(backend, grid, 1)
     with pytest.raises(RuntimeError, match=r"unpack_bits: packed must be 1-D"):
-        unpack(grid, 8, 8)
+        unpack(backend, grid, 8, 8)
     with pytest.raises(RuntimeError, match=r"pack_bits: fields must be contiguous"):
-        pack(torch.zeros(16, dtype=torch.uint8, device=device)[::2], 1)
+        pack(backend, torch.zeros(16, dtype=torch.uint8, device=backend)[::2], 1)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_field_out_of_range_reports_first_offender(device: str) -> None:
-    fields = torch.tensor([3, 0, 1, 2, 5, 7, 1], dtype=torch.uint8, device=device)
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+def test_field_out_of_range_reports_first_offender(backend) -> None:
+    fields = torch.tensor([3, 0, 1, 2, 5, 7, 1], dtype=torch.uint8, device=backend)
     with pytest.raises(RuntimeError, match=r"pack_bits: fields\[4\] = 5 does not fit in bits=2"):
-        pack(fields, 2)
-    big = torch.zeros(LARGE_LENGTH, dtype=torch.uint8, device=device)
+        pack(backend, fields, 2)
+    big = torch.zeros(LARGE_LENGTH, dtype=torch.uint8, device=backend)
     big[LARGE_LENGTH - 1] = 2  # in the partial last byte
     big[300_000] = 9  # deep inside a parallel task; reported first
     with pytest.raises(RuntimeError, match=r"fields\[300000\] = 9 does not fit in bits=1"):
-        pack(big, 1)
+        pack(backend, big, 1)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_bad_packed_length_and_n(device: str) -> None:
-    packed = torch.zeros(3, dtype=torch.uint8, device=device)
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+def test_bad_packed_length_and_n(backend) -> None:
+    packed = torch.zeros(3, dtype=torch.uint8, device=backend)
     with pytest.raises(
         RuntimeError, match=r"unpack_bits: packed holds 3 bytes, but n=13 fields of bits=2 need 4"
     ):
-        unpack(packed, 2, 13)
+        unpack(backend, packed, 2, 13)
     with pytest.raises(RuntimeError, match=r"unpack_bits: n must be >= 0, got -1"):
-        unpack(packed, 2, -1)
+        unpack(backend, packed, 2, -1)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -116,7 +116,8 @@ def check_byte_vector(op: str, name: str, t: torch.Tensor, device: str) -> None:
     if not isinstance(t, torch.Tensor) or t.device.type != device:
         where = t.device if isinstance(t, torch.Tensor) else type(t).__name__
         raise fail(op, f"{name} must be a {device.upper()} tensor, got device {where}")
-    check_dtype(op, name, t, torch.uint8)
+    if t.dtype != torch.uint8:
+        raise fail(op, f"{name} must have dtype uint8, got {c10_name(t.dtype)}")
     check_vector(op, name, t, device)
 
 
