@@ -48,13 +48,18 @@ def test_pure_python_mode_works_end_to_end():
     assert out.split() == ["False", "disabled", "by", "COMMPRESS_DISABLE_NATIVE", "1000"]
 
 
-def test_pure_and_native_give_identical_bytes():
+def test_every_cpu_backend_gives_identical_bytes():
     code = (
-        "import torch\nfrom commpress import codecs, wire\n"
+        "import torch\nfrom commpress import codecs, ops, wire\n"
         "x = torch.randn(3001, generator=torch.Generator().manual_seed(0))\n"
-        "print(''.join(wire.to_bytes(codecs.get(n).encode(x, seed=4)).numpy().tobytes().hex() for n in ('sign', 'qsgd')))\n"
+        "print(ops.backend_for('qsgd_encode', 'cpu'))\n"
+        "print(''.join(wire.to_bytes(codecs.from_spec(n).encode(x, seed=4)).numpy().tobytes().hex() for n in ('sign', 'qsgd', 'topk:ratio=0.01', 'randomk:ratio=0.01')))\n"
     )
-    assert run_py(code, COMMPRESS_DISABLE_NATIVE="1") == run_py(code)
+    native = run_py(code).split()
+    numba = run_py(code, COMMPRESS_DISABLE_NATIVE="1").split()
+    reference = run_py(code, COMMPRESS_DISABLE_NATIVE="1", COMMPRESS_BACKEND="reference").split()
+    assert [native[0], numba[0], reference[0]] == ["native", "numba", "reference"]
+    assert native[1] == numba[1] == reference[1]
 
 
 def test_import_does_not_initialise_cuda():

@@ -336,23 +336,25 @@ def test_cuda_bindings_compile_against_torch_headers(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Without the extension the package still works, through the reference
+# Without the extension the package still works, through numba (or the reference)
 
 
-def test_disabled_native_falls_back_to_reference() -> None:
+def test_disabled_native_falls_back_to_numba() -> None:
     code = (
         "import torch, commpress.ops as o\n"
         "x = torch.tensor([1, 0, 1, 1, 0, 0, 0, 1, 1], dtype=torch.uint8)\n"
         "p = o.pack_bits(x, 1)\n"
         "assert torch.equal(o.unpack_bits(p, 1, 9), x)\n"
         "print(o.load_native()); print(o.has_native('pack_bits', 'cpu')); print(p.tolist())\n"
+        "print(o.backend_for('pack_bits', 'cpu'))\n"
     )
     env = {**os.environ, "COMMPRESS_DISABLE_NATIVE": "1", "PYTHONPATH": str(ROOT)}
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120
     )
     assert result.returncode == 0, result.stderr
-    reason, native, packed = result.stdout.splitlines()
+    reason, native, packed, backend = result.stdout.splitlines()
     assert "disabled" in reason
     assert native == "False"
     assert packed == "[141, 1]"
+    assert backend == "numba"
