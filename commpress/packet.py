@@ -17,11 +17,16 @@ FLOAT_DTYPE_CODES: dict[torch.dtype, int] = {
 
 
 class Section(NamedTuple):
-    """One typed array of a packet: its name, element dtype and element count."""
+    """One typed array of a packet: its name, element dtype and element count.
+
+    A ``variable`` section (variable-length coding) holds at most ``numel`` elements; its actual
+    length travels in the packet's section table.
+    """
 
     name: str
     dtype: torch.dtype
     numel: int
+    variable: bool = False
 
     @property
     def nbytes(self) -> int:

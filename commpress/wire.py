@@ -23,7 +23,10 @@ The codec id, ``numel`` and the two parameters fully determine every section's d
 length, so the declared lengths are redundant on purpose: :func:`from_bytes` checks them
 against what the codec expects *before* it touches the payload, then checks the total size,
 the zero padding and the codec's own content rules (sorted in-range top-k indices, level
-fields within range, finite non-negative scales). Any violation raises
+fields within range, finite non-negative scales). The one exception is a codec option with
+variable-length coding (e.g. ``qsgd`` with ``coding="gamma"``): its coded section declares
+its own length, checked against the most the codec can produce, and the packet's size is known
+from its header (:func:`packet_extent`), so packets can be concatenated in one message. Any violation raises
 :class:`commpress.WireError` naming the field; nothing is ever read outside the buffer and no
 allocation is sized from an unchecked header field. No pickle is involved anywhere.
 """
@@ -33,11 +36,15 @@ from __future__ import annotations
 import struct
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from .errors import CodecError, WireError
 from .packet import FLOAT_DTYPE_CODES, Packet, Section
+
+if TYPE_CHECKING:
+    from .codecs.base import Codec
 
 MAGIC = b"CPRS"
 VERSION = 1
@@ -55,8 +62,15 @@ def _align(n: int) -> int:
 
 
 def packet_nbytes(layout: Sequence[Section]) -> int:
-    """Return the exact wire size of a packet whose sections are ``layout``."""
+    """Return the wire size of a packet whose sections are ``layout``.
+
+    Exact when no section is variable; otherwise the largest size such a packet can have.
+    """
     return HEADER_NBYTES + ALIGN * len(layout) + sum(_align(s.nbytes) for s in layout)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def to_bytes(packet: Packet) -> torch.Tensor:
@@ -68,6 +82,15 @@ def to_bytes(packet: Packet) -> torch.Tensor:
     names = [s.name for s in layout]
     if list(packet.sections) != names:
         raise CodecError(f"packet sections {list(packet.sections)} do not match codec layout {names}")
+    for i, section in enumerate(layout):
+        if section.variable:
+            t = packet.sections[section.name]
+            if t.dtype != section.dtype or t.numel() > section.numel:
+                raise CodecError(
+                    f"section {section.name!r} holds {t.numel()} x {t.dtype}, "
+                    f"layout allows at most {section.numel} x {section.dtype}"
+                )
+            layout[i] = section._replace(numel=t.numel())
     header = _HEADER.pack(
         MAGIC, VERSION, cls.codec_id, FLOAT_DTYPE_CODES[packet.dtype], len(layout),
         packet.numel, packet.seed, packet.params[0], packet.params[1],
@@ -109,14 +132,14 @@ def _view(buf: torch.Tensor, offset: int, section: Section) -> torch.Tensor:
     return raw.view(section.dtype)
 
 
-def from_bytes(buf: torch.Tensor | bytes | bytearray | memoryview) -> Packet:
-    """Parse and validate one packet; raise :class:`WireError` naming the first bad field.
+def _parse_head(data: torch.Tensor) -> tuple[type[Codec], torch.dtype, int, int, tuple[int, int], list[Section]]:
+    """Validate a packet's header and section table; return what they say.
 
-    The returned sections are views into ``buf`` where alignment allows (zero copy).
+    Returns ``(codec class, dtype, numel, seed, params, layout)`` with the layout's variable
+    sections set to their declared lengths. Reads only the header and the table.
     """
     from .codecs import codec_class_by_id  # late import: the codecs import this module
 
-    data = _as_uint8(buf)
     total = data.numel()
     if total < HEADER_NBYTES:
         raise WireError(f"truncated: the header needs {HEADER_NBYTES} bytes, got {total}")
@@ -143,11 +166,36 @@ def from_bytes(buf: torch.Tensor | bytes | bytearray | memoryview) -> Packet:
     table = data[HEADER_NBYTES:table_end].cpu().numpy().tobytes()
     for i, section in enumerate(layout):
         (declared,) = struct.unpack_from("<Q", table, 8 * i)
-        if declared != section.nbytes:
+        if section.variable and declared <= section.nbytes and declared % _itemsize(section.dtype) == 0:
+            layout[i] = section._replace(numel=declared // _itemsize(section.dtype))
+        elif declared != section.nbytes:
+            most = "at most " if section.variable else ""
             raise WireError(
                 f"length[{i}] ({section.name}): header says {declared} bytes, "
-                f"codec {cls.name!r} with numel={numel} needs {section.nbytes}"
+                f"codec {cls.name!r} with numel={numel} needs {most}{section.nbytes}"
             )
+    return cls, dtype, numel, seed, params, layout
+
+
+def packet_extent(buf: torch.Tensor | bytes | bytearray | memoryview) -> int:
+    """Size in bytes of the packet that starts ``buf`` (read from its validated header).
+
+    ``buf`` may continue past the packet (several packets in one message); only the header and
+    section table are read. Raises :class:`WireError` like :func:`from_bytes`.
+    """
+    data = _as_uint8(buf)
+    return packet_nbytes(_parse_head(data)[5])
+
+
+def from_bytes(buf: torch.Tensor | bytes | bytearray | memoryview) -> Packet:
+    """Parse and validate one packet; raise :class:`WireError` naming the first bad field.
+
+    The returned sections are views into ``buf`` where alignment allows (zero copy).
+    """
+    data = _as_uint8(buf)
+    total = data.numel()
+    cls, dtype, numel, seed, params, layout = _parse_head(data)
+    table_end = HEADER_NBYTES + ALIGN * len(layout)
     expected = packet_nbytes(layout)
     if total < expected:
         raise WireError(f"truncated: packet needs {expected} bytes, got {total}")

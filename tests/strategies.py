@@ -22,6 +22,8 @@ CODEC_CONFIGS = {
     "qsgd2": dict(name="qsgd", bits=2, bucket_size=64),
     "qsgd4": dict(name="qsgd", bits=4),
     "qsgd8": dict(name="qsgd", bits=8, levels=100, bucket_size=100),
+    "qsgd4-gamma": dict(name="qsgd", bits=4, coding="gamma"),
+    "qsgd8-gamma": dict(name="qsgd", bits=8, levels=100, bucket_size=100, coding="gamma"),
 }
 
 

@@ -161,6 +161,26 @@ def test_segment_payload_roundtrip_and_exact_size():
         assert len(packets) == len(lay.shards[s].segments)
 
 
+def test_variable_size_segments_split_by_their_headers():
+    lay = _layout(2)
+    gamma = codecs.get("qsgd", bits=4, coding="gamma")
+    values = torch.randn(lay.numel)
+    payload, pick = _push_payload(lay, 0, gamma, values, seed=3)
+    most = payload_nbytes(lay.shards[0], pick, torch.float32)
+    assert payload.numel() < most  # smaller than the fixed-size bound
+    packets = parse_segments(payload.numpy(), lay.shards[0], pick, torch.float32, 3)
+    fixed, _ = _push_payload(lay, 0, codecs.get("qsgd", bits=4), values, seed=3)
+    want = parse_segments(fixed.numpy(), lay.shards[0], lambda seg: codecs.get("qsgd", bits=4) if seg.compress else NONE, torch.float32, 3)
+    for seg, a, b in zip(lay.shards[0].segments, packets, want):
+        assert torch.equal(pick(seg).decode(a), (codecs.get("qsgd", bits=4) if seg.compress else NONE).decode(b))
+    with pytest.raises(ProtocolError, match="after the last segment"):
+        parse_segments(torch.cat([payload, torch.zeros(8, dtype=torch.uint8)]).numpy(), lay.shards[0], pick, torch.float32, 3)
+    with pytest.raises(ProtocolError, match="truncated"):
+        parse_segments(payload[:-8].numpy(), lay.shards[0], pick, torch.float32, 3)
+    with pytest.raises(ProtocolError, match="at most"):
+        parse_segments(torch.zeros(most + 1, dtype=torch.uint8).numpy(), lay.shards[0], pick, torch.float32, 3)
+
+
 def test_segment_payload_rejections_name_the_problem():
     lay = _layout(2)
     topk = codecs.get("topk", ratio=0.25)

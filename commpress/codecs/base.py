@@ -184,8 +184,20 @@ class Codec(ABC):
     def check_content(cls, packet: Packet) -> None:
         """Raise :class:`WireError` when decoded sections break the codec's rules."""
 
+    @property
+    def fixed_size(self) -> bool:
+        """True when all packets for one numel and dtype have the same size.
+
+        False only for variable-length coding options; collectives that exchange fixed-size
+        buffers (DDP) need True.
+        """
+        return True
+
     def wire_size(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
-        """Exact number of bytes ``wire.to_bytes(self.encode(x))`` produces for such an ``x``."""
+        """Bytes ``wire.to_bytes(self.encode(x))`` produces for such an ``x``.
+
+        Exact when :attr:`fixed_size`, otherwise the most it can produce.
+        """
         check_dtype(dtype)
         return wire.packet_nbytes(self.layout(numel, dtype, self.wire_params(numel)))
 

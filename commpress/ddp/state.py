@@ -33,10 +33,18 @@ def _resolve_codec(codec: str | Codec, codec_params: dict[str, Any]) -> Codec:
     if isinstance(codec, Codec):
         if codec_params:
             raise CodecError(f"unknown option(s) {sorted(codec_params)} (codec parameters go to codecs.get)")
-        return codec
-    if isinstance(codec, str):
-        return codecs.get(codec, **codec_params)
-    raise CodecError(f"codec must be a codec name or a commpress Codec, got {type(codec).__name__}")
+        resolved = codec
+    elif isinstance(codec, str):
+        resolved = codecs.get(codec, **codec_params)
+    else:
+        raise CodecError(f"codec must be a codec name or a commpress Codec, got {type(codec).__name__}")
+    if not resolved.fixed_size:
+        # every rank must know every buffer's size before the collective
+        raise CodecError(
+            f"{resolved!r} makes packets of data-dependent size, which DDP's collectives cannot "
+            "exchange; use its fixed-size form here (the parameter server takes both)"
+        )
+    return resolved
 
 
 class CompressionState:

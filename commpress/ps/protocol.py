@@ -178,7 +178,11 @@ CodecFor = Callable[[Segment], Codec]
 
 
 def payload_nbytes(shard: Shard, codec_for: CodecFor, dtype: torch.dtype) -> int:
-    """Exact payload size of a message carrying every segment of ``shard``."""
+    """Payload size of a message carrying every segment of ``shard``.
+
+    Exact for fixed-size codecs, the largest possible with variable-length coding
+    (e.g. ``qsgd:coding=gamma``).
+    """
     return sum(codec_for(seg).wire_size(seg.numel, dtype) for seg in shard.segments)
 
 
@@ -202,17 +206,19 @@ def parse_segments(
     """
     data = payload if isinstance(payload, torch.Tensor) else torch.from_numpy(payload)
     expected = payload_nbytes(shard, codec_for, dtype)
-    if data.numel() != expected:
+    fixed = all(codec_for(seg).fixed_size for seg in shard.segments)
+    if data.numel() != expected if fixed else data.numel() > expected:
         raise ProtocolError(
-            f"payload: {data.numel()} bytes, shard {shard.index} needs exactly {expected} "
-            f"({len(shard.segments)} segments)", sender,
+            f"payload: {data.numel()} bytes, shard {shard.index} needs {'exactly' if fixed else 'at most'} "
+            f"{expected} ({len(shard.segments)} segments)", sender,
         )
     packets: list[Packet] = []
     offset = 0
     for i, seg in enumerate(shard.segments):
         codec = codec_for(seg)
-        size = codec.wire_size(seg.numel, dtype)
         try:
+            # a variable-size packet's size is in its own (validated) header
+            size = codec.wire_size(seg.numel, dtype) if codec.fixed_size else wire.packet_extent(data[offset:])
             packet = wire.from_bytes(data[offset : offset + size])
         except (WireError, CodecError) as exc:
             raise ProtocolError(f"segment {i}: {exc}", sender) from None
@@ -230,6 +236,8 @@ def parse_segments(
             raise ProtocolError(f"segment {i}: unexpected seed {packet.seed}", sender)
         packets.append(packet)
         offset += size
+    if offset != data.numel():
+        raise ProtocolError(f"payload: {data.numel() - offset} bytes after the last segment", sender)
     return packets
 
 
