@@ -21,10 +21,12 @@ constexpr int kThreads = 256;
 // grid-stride loops, and the grid size stays far below CUDA's limit for any int64 length.
 constexpr int64_t kMaxBlocks = int64_t{1} << 16;
 
+#ifndef __CUDACC_RTC__  // host code: not for NVRTC (the CuPy backend launches the kernels)
 int blocks_for(int64_t work_items) {
   const int64_t blocks = (work_items + kThreads - 1) / kThreads;
   return static_cast<int>(blocks < kMaxBlocks ? blocks : kMaxBlocks);
 }
+#endif  // __CUDACC_RTC__
 
 // One thread per packed byte.
 template <int Bits>
@@ -64,6 +66,7 @@ __global__ void unpack_kernel(const uint8_t* __restrict__ packed, int64_t n,
   }
 }
 
+#ifndef __CUDACC_RTC__  // host code: not for NVRTC (the CuPy backend launches the kernels)
 template <int Bits>
 cudaError_t launch_pack(const uint8_t* fields, int64_t n, uint8_t* packed,
                         unsigned long long* first_bad, cudaStream_t stream) {
@@ -89,10 +92,12 @@ cudaError_t launch_unpack(const uint8_t* packed, int64_t n, uint8_t* fields,
   unpack_kernel<Bits><<<blocks_for(n), kThreads, 0, stream>>>(packed, n, fields);
   return cudaGetLastError();
 }
+#endif  // __CUDACC_RTC__
 
 }  // namespace
 }  // namespace commpress
 
+#ifndef __CUDACC_RTC__  // the C launchers: host code, not for NVRTC
 extern "C" {
 
 // Packs n fields (device pointer, each < 2**bits) into ceil(n * bits / 8) bytes at `packed`.
@@ -131,3 +136,4 @@ cudaError_t commpress_unpack_bits_cuda(const uint8_t* packed, int64_t n, int bit
 }
 
 }  // extern "C"
+#endif  // __CUDACC_RTC__

@@ -33,6 +33,7 @@ struct Layout {
   int64_t groups_per_block;
 };
 
+#ifndef __CUDACC_RTC__  // host code: not for NVRTC (the CuPy backend launches the kernels)
 inline Layout make_layout(int64_t n, int64_t block) {
   Layout l;
   l.n = n;
@@ -54,6 +55,7 @@ inline int64_t reduce_scratch(const Layout& l) {
     per = (per + kWarp - 1) / kWarp;
   }
 }
+#endif  // __CUDACC_RTC__
 
 template <int Kind, class T, bool HasE>
 __global__ void group_sums_kernel(const T* __restrict__ x,
@@ -129,6 +131,7 @@ __global__ void tree_level_kernel(const double* __restrict__ in, int64_t per_in,
   }
 }
 
+#ifndef __CUDACC_RTC__  // host code: not for NVRTC (the CuPy backend launches the kernels)
 // Runs the reduction; returns (through *result) the pointer to nblocks per-block values.
 template <int Kind, class T, bool HasE>
 cudaError_t launch_block_reduce(const T* x, const typename Elem<T>::compute* e,
@@ -152,6 +155,7 @@ cudaError_t launch_block_reduce(const T* x, const typename Elem<T>::compute* e,
   *result = in;
   return err;
 }
+#endif  // __CUDACC_RTC__
 
 // Index of the block holding element `first` of this warp's 32 (one division per warp), then
 // advanced per lane to element i (i - first < 32, so a few steps only for tiny blocks).

@@ -17,10 +17,12 @@ constexpr unsigned kFullMask = 0xFFFFFFFFu;
 // Enough blocks to fill any current GPU several times over; grid-stride loops cover the rest.
 constexpr int64_t kMaxBlocks = int64_t{1} << 16;
 
+#ifndef __CUDACC_RTC__  // host code: not for NVRTC (the CuPy backend launches the kernels)
 inline int blocks_for(int64_t items, int threads = kThreads) {
   const int64_t blocks = (items + threads - 1) / threads;
   return static_cast<int>(blocks < 1 ? 1 : (blocks < kMaxBlocks ? blocks : kMaxBlocks));
 }
+#endif  // __CUDACC_RTC__
 
 // Device storage of each dtype code (the 16-bit formats as raw bits, see hd.h).
 template <int Code>
@@ -42,6 +44,7 @@ struct StorageOf<kF64> {
   using type = double;
 };
 
+#ifndef __CUDACC_RTC__  // host code: not for NVRTC (the CuPy backend launches the kernels)
 // Calls f(T{}) with T the storage type of `dtype`; returns cudaErrorInvalidValue if unknown.
 template <class F>
 cudaError_t dispatch_dtype(int dtype, F&& f) {
@@ -53,6 +56,7 @@ cudaError_t dispatch_dtype(int dtype, F&& f) {
     default: return cudaErrorInvalidValue;
   }
 }
+#endif  // __CUDACC_RTC__
 
 __device__ __forceinline__ int64_t global_thread() {
   return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;

@@ -9,6 +9,7 @@
 // first; the binding copies the word back to raise the error.
 #pragma once
 
+#ifndef __CUDACC_RTC__  // host API: not for NVRTC (the CuPy backend launches the kernels)
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -71,3 +72,4 @@ cudaError_t commpress_unpack_bits_cuda(const uint8_t* packed, int64_t n, int bit
                                        uint8_t* fields, cudaStream_t stream);
 
 }  // extern "C"
+#endif  // __CUDACC_RTC__

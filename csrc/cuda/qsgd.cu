@@ -107,6 +107,7 @@ __global__ void qsgd_decode_kernel(const typename Elem<T>::compute* __restrict__
   }
 }
 
+#ifndef __CUDACC_RTC__  // host code: not for NVRTC (the CuPy backend launches the kernels)
 template <class T, bool HasE>
 cudaError_t launch_encode(int bits, int grid, const T* x, typename Elem<T>::compute* e,
                           const typename Elem<T>::compute* norms, const Layout& l, int levels,
@@ -177,11 +178,13 @@ cudaError_t qsgd_encode(const void* xv, void* ev, int64_t n, int bits, int level
              ? launch_encode<T, true>(bits, grid, x, e, norms, l, levels, key, packed, flags, stream)
              : launch_encode<T, false>(bits, grid, x, e, norms, l, levels, key, packed, flags, stream);
 }
+#endif  // __CUDACC_RTC__
 
 }  // namespace
 }  // namespace cuda
 }  // namespace commpress
 
+#ifndef __CUDACC_RTC__  // the C launchers: host code, not for NVRTC
 extern "C" {
 
 cudaError_t commpress_qsgd_encode_cuda(const void* x, int dtype, void* residual, int64_t n,
@@ -234,3 +237,4 @@ cudaError_t commpress_qsgd_decode_cuda(const void* norms, const uint8_t* packed,
 }
 
 }  // extern "C"
+#endif  // __CUDACC_RTC__

@@ -62,6 +62,7 @@ __global__ void scatter_kernel(const T* __restrict__ values, int64_t k, int64_t 
 }  // namespace cuda
 }  // namespace commpress
 
+#ifndef __CUDACC_RTC__  // the C launchers: host code, not for NVRTC
 extern "C" {
 
 cudaError_t commpress_randomk_gather_cuda(const void* x, int dtype, int64_t n, int64_t k,
@@ -106,3 +107,4 @@ cudaError_t commpress_randomk_scatter_add_cuda(const void* values, int dtype, in
 }
 
 }  // extern "C"
+#endif  // __CUDACC_RTC__

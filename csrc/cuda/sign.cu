@@ -81,6 +81,7 @@ __global__ void sign_decode_kernel(const typename Elem<T>::compute* __restrict__
   }
 }
 
+#ifndef __CUDACC_RTC__  // host code: not for NVRTC (the CuPy backend launches the kernels)
 template <class T>
 cudaError_t sign_encode(const void* xv, void* ev, int64_t n, int64_t block, void* scales,
                         uint8_t* bits, double* scratch, int* flags, cudaStream_t stream) {
@@ -112,11 +113,13 @@ cudaError_t sign_encode(const void* xv, void* ev, int64_t n, int64_t block, void
   }
   return cudaGetLastError();
 }
+#endif  // __CUDACC_RTC__
 
 }  // namespace
 }  // namespace cuda
 }  // namespace commpress
 
+#ifndef __CUDACC_RTC__  // the C launchers: host code, not for NVRTC
 extern "C" {
 
 int64_t commpress_reduce_scratch_cuda(int64_t n, int64_t block) {
@@ -164,3 +167,4 @@ cudaError_t commpress_sign_decode_cuda(const void* scales, const uint8_t* bits, 
 }
 
 }  // extern "C"
+#endif  // __CUDACC_RTC__

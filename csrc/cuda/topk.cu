@@ -197,6 +197,7 @@ __global__ void write_kernel(const T* __restrict__ x, int64_t n,
   }
 }
 
+#ifndef __CUDACC_RTC__  // host code: not for NVRTC (the CuPy backend launches the kernels)
 template <class T>
 cudaError_t topk_select(const void* xv, int64_t n, int64_t k, void* indices, int index64,
                         void* values, void* scratch, int* flags, cudaStream_t stream) {
@@ -257,6 +258,7 @@ cudaError_t topk_select(const void* xv, int64_t n, int64_t k, void* indices, int
   }
   return cudaGetLastError();
 }
+#endif  // __CUDACC_RTC__
 
 // ----- sparse scatter-add ----------------------------------------------------------------------
 
@@ -292,6 +294,7 @@ __global__ void scatter_add_kernel(const I* __restrict__ idx, const T* __restric
 }  // namespace cuda
 }  // namespace commpress
 
+#ifndef __CUDACC_RTC__  // the C launchers: host code, not for NVRTC
 extern "C" {
 
 int64_t commpress_topk_scratch_cuda(int64_t n) {
@@ -359,3 +362,4 @@ cudaError_t commpress_scatter_add_cuda(const void* indices, int index64, const v
 }
 
 }  // extern "C"
+#endif  // __CUDACC_RTC__

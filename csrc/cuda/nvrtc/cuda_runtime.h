@@ -1,0 +1,3 @@
+// NVRTC stand-in for <cuda_runtime.h> (see README.md): NVRTC declares the device built-ins itself,
+// and the runtime API is used only by host code, which is fenced off from NVRTC.
+#pragma once
