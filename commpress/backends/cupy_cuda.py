@@ -1,0 +1,842 @@
+"""The CuPy CUDA backend: the native CUDA kernels, compiled at run time, when ``_C`` has none.
+
+A torch wheel without the CUDA extension (pure-Python install, CPU build of ``commpress._C``,
+a build for another torch) still has CUDA tensors to compress. This backend compiles the very
+same kernel sources as the nvcc build (``csrc/cuda/*.cu``, one source, no copies) with NVRTC
+and launches them with CuPy, so CUDA tensors get the native kernels' results bit for bit.
+
+How it maps onto the native build:
+
+* **Sources.** Each ``csrc/cuda/<unit>.cu`` is one NVRTC program (like one nvcc translation
+  unit). Their host code -- the C launchers and ``<<<...>>>`` -- is fenced off with
+  ``#ifndef __CUDACC_RTC__``; ``csrc/cuda/nvrtc/`` stands in for the few system headers. The
+  kernels are templates, so every instantiation launched here is listed as an NVRTC name
+  expression (:func:`module_source`) and looked up by its lowered name.
+* **Compiler options** are nvcc's defaults spelled out (``-ftz=false -prec-div=true
+  -prec-sqrt=true -fmad=true``): results must not depend on the compiler. That is also why
+  this module calls NVRTC itself (:func:`compile_unit`) and loads the binary with
+  ``cupy.RawModule(path=...)`` instead of ``RawModule(code=...)``: CuPy appends ``-ftz=true``
+  to every source it compiles, which would flush float32 subnormals to zero.
+* **Launches** follow the C launchers (``csrc/cuda/*.cu``, ``extern "C"``) step by step:
+  same kernels, grids, scratch layout and flag words, on torch's current stream. Outputs and
+  scratch are torch tensors (torch's caching allocator); kernels get raw device pointers, so
+  float16/bfloat16 tensors need no CuPy dtype (CuPy has no bfloat16).
+* **Errors** are checked first with :mod:`.checks` (the native messages); data errors (NaN/Inf,
+  an overflowing scale, a bad index) come back through the same flag words as in
+  ``csrc/cuda/bindings.cpp`` and raise the same messages. Reading a flag synchronises the
+  stream, as in the native binding.
+
+Nothing here touches CUDA or CuPy before an op runs or :func:`unavailable` is called.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+from collections.abc import Sequence
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import rng
+from . import checks
+from .checks import KernelArgumentError, c10_name, compute_dtype, fail
+
+DEVICE = "cuda"
+OPS = frozenset(
+    {
+        "pack_bits",
+        "unpack_bits",
+        "sign_encode",
+        "sign_decode",
+        "qsgd_encode",
+        "qsgd_decode",
+        "topk_select",
+        "sparse_scatter_add",
+        "randomk_gather",
+        "randomk_scatter_add",
+    }
+)
+
+#: csrc/ of the repository (the backend needs the CUDA sources at run time).
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
+UNITS = ("bitpack", "sign", "qsgd", "topk", "randomk")
+
+# Constants of csrc/cuda/common.cuh, block_sums.cuh and topk.cu (launch geometry).
+_THREADS = 256
+_WARP = 32
+_MAX_BLOCKS = 1 << 16
+_GROUP_ELEMS = _WARP * 32  # kWarp * kSumChunk
+_BINS = 1 << 11  # topk kBins
+_DIGIT_BITS = 11
+_COUNT_BLOCKS = 1024
+_STATE_BYTES = 32  # sizeof(SelectState)
+# block_sums.cuh SumKind and Flag
+_SUM_ABS, _SUM_SQUARE, _SUM_SCALED_SQUARE, _MAX_ABS = 0, 1, 2, 3
+_FLAG_NON_FINITE, _FLAG_OVERFLOW, _FLAG_TOO_BIG = 1, 2, 4
+
+# Storage type of each dtype in the kernels (include/commpress/hd.h).
+_CTYPE = {
+    torch.float32: "float",
+    torch.float16: "commpress::Half",
+    torch.bfloat16: "commpress::BFloat16",
+    torch.float64: "double",
+}
+_CTYPES = tuple(_CTYPE.values())
+_BOOLS = ("false", "true")
+# Largest finite value of each dtype (bindings.cpp dtype_max).
+_DTYPE_MAX = {
+    torch.float16: 65504.0,
+    torch.bfloat16: 3.3895313892515355e38,
+    torch.float32: 3.4028234663852886e38,
+    torch.float64: 1.7976931348623157e308,
+}
+# struct Layout of block_sums.cuh, passed to kernels by value.
+_LAYOUT = np.dtype([("n", "<i8"), ("block", "<i8"), ("nblocks", "<i8"), ("groups", "<i8")])
+
+
+# ----- sources ------------------------------------------------------------------------------------
+def _kernel_names(unit: str) -> list[str]:
+    """Every kernel instantiation the launches of ``unit`` use (NVRTC name expressions)."""
+    ns = "commpress::cuda::"
+    names: list[str] = []
+    if unit == "bitpack":
+        for b in (1, 2, 4, 8):
+            names += [f"commpress::pack_kernel<{b}>", f"commpress::unpack_kernel<{b}>"]
+        return names
+    if unit in ("sign", "qsgd"):
+        names += [f"{ns}tree_level_kernel<false>"]
+        for t in _CTYPES:
+            for e in _BOOLS:
+                if unit == "sign":
+                    kinds = [_SUM_ABS]
+                elif t == "double":  # float64 norms: a max pass, then scaled squares
+                    kinds = [_MAX_ABS, _SUM_SCALED_SQUARE]
+                else:
+                    kinds = [_SUM_SQUARE]
+                names += [f"{ns}group_sums_kernel<{k}, {t}, {e}>" for k in kinds]
+        if unit == "sign":
+            for t in _CTYPES:
+                names.append(f"{ns}sign_finalize_kernel<{t}>")
+                names += [f"{ns}sign_encode_kernel<{t}, {e}>" for e in _BOOLS]
+                names += [f"{ns}sign_decode_kernel<{t}, {a}>" for a in _BOOLS]
+            return names
+        names.append(f"{ns}tree_level_kernel<true>")
+        for t in _CTYPES:
+            names.append(f"{ns}qsgd_finalize_kernel<{t}>")
+            for b in (2, 4, 8):
+                names += [f"{ns}qsgd_encode_kernel<{t}, {e}, {b}>" for e in _BOOLS]
+                names += [f"{ns}qsgd_decode_kernel<{t}, {b}, {a}>" for a in _BOOLS]
+        return names
+    if unit == "topk":
+        names += [f"{ns}select_digit_kernel", f"{ns}scan_counts_kernel"]
+        for t in _CTYPES:
+            names += [
+                f"{ns}check_finite_kernel<{t}>",
+                f"{ns}histogram_kernel<{t}>",
+                f"{ns}count_kernel<{t}>",
+            ]
+            for i in ("int32_t", "int64_t"):
+                names += [f"{ns}write_kernel<{t}, {i}>", f"{ns}scatter_add_kernel<{i}, {t}>"]
+        names += [f"{ns}scatter_validate_kernel<{i}>" for i in ("int32_t", "int64_t")]
+        return names
+    if unit == "randomk":
+        for t in _CTYPES:
+            names += [
+                f"{ns}check_finite_kernel<{t}>",
+                f"{ns}gather_kernel<{t}>",
+                f"{ns}scatter_kernel<{t}>",
+            ]
+        return names
+    raise ValueError(f"unknown CUDA source unit {unit!r}; expected one of {', '.join(UNITS)}")
+
+
+def module_source(unit: str) -> tuple[str, tuple[str, ...], list[str]]:
+    """``(code, options, name_expressions)`` of ``csrc/cuda/<unit>.cu`` for NVRTC.
+
+    ``code`` is the file as nvcc compiles it. Needs no GPU (tests compile it on any machine).
+    """
+    names = _kernel_names(unit)
+    code = (CSRC / "cuda" / f"{unit}.cu").read_text(encoding="utf-8")
+    options = (
+        "-std=c++17",
+        f"-I{CSRC / 'include'}",
+        f"-I{CSRC / 'cuda'}",
+        f"-I{CSRC / 'cuda' / 'nvrtc'}",
+        # nvcc's defaults, so results match the nvcc build bit for bit
+        "-ftz=false",
+        "-prec-div=true",
+        "-prec-sqrt=true",
+        "-fmad=true",
+    )
+    return code, options, names
+
+
+def compile_unit(unit: str, arch: str) -> tuple[bytes, dict[str, str]]:
+    """Compile ``unit`` with NVRTC for ``arch`` (``sm_90``: cubin; ``compute_90``: PTX).
+
+    Returns the image and the lowered (mangled) name of every name expression. Needs CuPy's
+    NVRTC binding but no GPU. Raises RuntimeError with NVRTC's log when compilation fails.
+    """
+    from cupy.cuda import nvrtc
+
+    code, options, names = module_source(unit)
+    prog = nvrtc.createProgram(code, f"{unit}.cu", [], [])
+    try:
+        for name in names:
+            nvrtc.addNameExpression(prog, name)
+        try:
+            nvrtc.compileProgram(prog, [*options, f"-arch={arch}"])
+        except nvrtc.NVRTCError as exc:
+            log = nvrtc.getProgramLog(prog)
+            raise RuntimeError(f"NVRTC failed to compile csrc/cuda/{unit}.cu:\n{log}") from exc
+        image = nvrtc.getCUBIN(prog) if arch.startswith("sm_") else nvrtc.getPTX(prog)
+        lowered = {name: nvrtc.getLoweredName(prog, name) for name in names}
+    finally:
+        nvrtc.destroyProgram(prog)
+    if isinstance(image, str):
+        image = image.encode()
+    return bytes(image), lowered
+
+
+@lru_cache(maxsize=1)
+def unavailable() -> str | None:
+    """None when CuPy, NVRTC, a CUDA device and the kernel sources are all there, else why not.
+
+    Called only on first use (never at ``import commpress``); it asks torch and CuPy for a
+    device, which loads the CUDA driver.
+    """
+    missing = [u for u in UNITS if not (CSRC / "cuda" / f"{u}.cu").is_file()]
+    if missing:
+        return (
+            f"CUDA kernel sources not found under {CSRC / 'cuda'} (an installed copy without csrc/)"
+        )
+    try:
+        import cupy
+        from cupy.cuda import nvrtc
+    except ImportError as exc:
+        return f"cupy not importable: {exc}"
+    try:
+        nvrtc.getVersion()
+    except Exception as exc:  # noqa: BLE001 - a missing libnvrtc raises various errors
+        return f"NVRTC not loadable: {exc}"
+    if not torch.cuda.is_available():
+        return "no CUDA device (torch.cuda.is_available() is False)"
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return "CuPy sees no CUDA device"
+    except Exception as exc:  # noqa: BLE001 - CuPy's runtime errors vary by version
+        return f"CuPy cannot use the CUDA device: {exc}"
+    return None
+
+
+# ----- loading and launching ----------------------------------------------------------------------
+_lock = threading.Lock()
+_images: tempfile.TemporaryDirectory[str] | None = None  # cubin files of this process
+
+
+def _arch_for(device: torch.device) -> str:
+    """``sm_XY`` when NVRTC can build a cubin for the device, else PTX for the newest it can."""
+    from cupy.cuda import nvrtc
+
+    major, minor = torch.cuda.get_device_capability(device)
+    cc = 10 * major + minor
+    supported = [int(a) for a in nvrtc.getSupportedArchs()]
+    if cc in supported:
+        return f"sm_{cc}"
+    older = [a for a in supported if a <= cc]
+    if not older:
+        raise RuntimeError(f"NVRTC {nvrtc.getVersion()} cannot compile for compute capability {cc}")
+    return f"compute_{max(older)}"  # the driver JITs the PTX for the newer GPU
+
+
+class _Unit:
+    """One compiled source unit on one device: kernels by name expression."""
+
+    def __init__(self, unit: str, device: torch.device) -> None:
+        import cupy
+
+        global _images
+        image, self.lowered = compile_unit(unit, _arch_for(device))
+        if _images is None:
+            _images = tempfile.TemporaryDirectory(prefix="commpress-cupy-")
+        path = os.path.join(_images.name, f"{unit}-{device.index}.bin")
+        with open(path, "wb") as f:
+            f.write(image)
+        with cupy.cuda.Device(device.index):
+            self.module = cupy.RawModule(path=path)
+        self.kernels: dict[str, Any] = {}
+
+    def kernel(self, name: str) -> Any:
+        fn = self.kernels.get(name)
+        if fn is None:
+            fn = self.kernels[name] = self.module.get_function(self.lowered[name])
+        return fn
+
+
+_units: dict[tuple[str, int], _Unit] = {}
+
+
+def _unit(unit: str, device: torch.device) -> _Unit:
+    key = (unit, device.index if device.index is not None else torch.cuda.current_device())
+    with _lock:
+        if key not in _units:
+            _units[key] = _Unit(unit, torch.device("cuda", key[1]))
+        return _units[key]
+
+
+class _Launcher:
+    """Launches one unit's kernels on ``device`` and torch's current stream there."""
+
+    def __init__(self, unit: str, device: torch.device) -> None:
+        import cupy
+
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        self.device = torch.device("cuda", index)
+        self.unit = _unit(unit, self.device)
+        self._cupy = cupy
+        self._stream = cupy.cuda.ExternalStream(
+            torch.cuda.current_stream(self.device).cuda_stream, index
+        )
+
+    def __call__(self, name: str, grid: int, block: int, *args: Any) -> None:
+        with self._cupy.cuda.Device(self.device.index), self._stream:
+            self.unit.kernel(name)((grid,), (block,), args)
+
+
+def _ptr(t: torch.Tensor | None, byte_offset: int = 0) -> np.uint64:
+    # A kernel pointer argument: 8 bytes by value (null for an absent residual).
+    return np.uint64(0 if t is None else t.data_ptr() + byte_offset)
+
+
+def _blocks_for(items: int, threads: int = _THREADS) -> int:
+    """common.cuh blocks_for."""
+    blocks = -(-items // threads)
+    return max(1, min(blocks, _MAX_BLOCKS))
+
+
+def _layout(n: int, block: int) -> tuple[np.void, int, int]:
+    """(Layout struct, nblocks, groups_per_block) of block_sums.cuh make_layout."""
+    nblocks = 0 if n == 0 else -(-n // block)
+    groups = -(-block // _GROUP_ELEMS)
+    struct: np.void = np.array([(n, block, nblocks, groups)], dtype=_LAYOUT)[0]
+    return struct, nblocks, groups
+
+
+def _reduce_scratch(nblocks: int, groups: int) -> int:
+    """block_sums.cuh reduce_scratch: doubles for every level's per-block values."""
+    total, per = 0, groups
+    while True:
+        total += nblocks * per
+        if per == 1:
+            return total
+        per = -(-per // _WARP)
+
+
+def _block_reduce(
+    launch: _Launcher,
+    kind: int,
+    x: torch.Tensor,
+    e: torch.Tensor | None,
+    amax_off: int | None,
+    layout: tuple[np.void, int, int],
+    scratch: torch.Tensor,
+    base: int,
+    flags: torch.Tensor,
+) -> int:
+    """block_sums.cuh launch_block_reduce; returns the double offset of the per-block values."""
+    struct, nblocks, groups = layout
+    t, has_e = _CTYPE[x.dtype], _BOOLS[e is not None]
+    amax = _ptr(scratch, 8 * amax_off) if amax_off is not None else np.uint64(0)
+    launch(
+        f"commpress::cuda::group_sums_kernel<{kind}, {t}, {has_e}>",
+        _blocks_for(nblocks * groups * _WARP),
+        _THREADS,
+        _ptr(x),
+        _ptr(e),
+        amax,
+        struct,
+        _ptr(scratch, 8 * base),
+        _ptr(flags),
+    )
+    level = _BOOLS[kind == _MAX_ABS]
+    src, per = base, groups
+    while per > 1:
+        per_out = -(-per // _WARP)
+        dst = src + nblocks * per
+        launch(
+            f"commpress::cuda::tree_level_kernel<{level}>",
+            _blocks_for(nblocks * per_out * _WARP),
+            _THREADS,
+            _ptr(scratch, 8 * src),
+            np.int64(per),
+            np.int64(nblocks),
+            np.int64(per_out),
+            _ptr(scratch, 8 * dst),
+        )
+        src, per = dst, per_out
+    return src
+
+
+def _read_flags(flags: torch.Tensor) -> int:
+    return int(flags.item())  # synchronises the stream, like the binding's read_flags
+
+
+def _non_finite(op: str, has_e: bool) -> KernelArgumentError:
+    source = "x + residual" if has_e else "x"
+    return fail(op, f"{source} contains NaN or Inf (non-finite input; nothing was written)")
+
+
+def _rng_key(seed: int, stream: int) -> np.uint64:
+    # ``seed`` may be the int64 bit pattern of a uint64 seed (the native schema's form)
+    return np.uint64(rng.key(seed & rng.SEED_MASK, stream))
+
+
+# ----- bit packing --------------------------------------------------------------------------------
+def pack_bits(fields: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack ``bits``-wide fields LSB-first (specification: :mod:`commpress.bitpack`)."""
+    checks.check_bits("pack_bits", bits)
+    checks.check_byte_vector("pack_bits", "fields", fields, DEVICE)
+    n = fields.numel()
+    packed = torch.empty(checks.packed_nbytes(n, bits), dtype=torch.uint8, device=fields.device)
+    if n == 0:
+        return packed
+    first_bad = torch.full((1,), -1, dtype=torch.int64, device=fields.device)  # UINT64_MAX
+    nbytes = packed.numel()
+    launch = _Launcher("bitpack", fields.device)
+    launch(
+        f"commpress::pack_kernel<{bits}>",
+        min(-(-nbytes // _THREADS), _MAX_BLOCKS),
+        _THREADS,
+        _ptr(fields),
+        np.int64(n),
+        _ptr(packed),
+        np.int64(nbytes),
+        _ptr(first_bad),
+    )
+    bad = int(first_bad.item())
+    if bad >= 0:
+        raise fail(
+            "pack_bits",
+            f"fields[{bad}] = {int(fields[bad])} does not fit in bits={bits} (every field must be < {1 << bits})",
+        )
+    return packed
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Unpack ``n`` fields of ``bits`` bits."""
+    checks.check_unpack(packed, bits, n, DEVICE)
+    fields = torch.empty(n, dtype=torch.uint8, device=packed.device)
+    if n:
+        _Launcher("bitpack", packed.device)(
+            f"commpress::unpack_kernel<{bits}>",
+            min(-(-n // _THREADS), _MAX_BLOCKS),
+            _THREADS,
+            _ptr(packed),
+            np.int64(n),
+            _ptr(fields),
+        )
+    return fields
+
+
+# ----- sign ---------------------------------------------------------------------------------------
+def sign_encode(
+    x: torch.Tensor, residual: torch.Tensor | None, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scales, bits)`` of sign; with ``residual``, fused error feedback (updated in place)."""
+    op = "sign_encode"
+    block = checks.check_sign_encode(x, residual, block_size, DEVICE)
+    n = x.numel()
+    ct = compute_dtype(x.dtype)
+    scales = torch.empty(checks.n_blocks(n, block), dtype=ct, device=x.device)
+    bits = torch.empty(checks.packed_nbytes(n, 1), dtype=torch.uint8, device=x.device)
+    if n == 0:
+        return scales, bits
+    layout = _layout(n, block)
+    struct, nblocks, groups = layout
+    scratch = torch.empty(
+        2 * _reduce_scratch(nblocks, groups) + 2, dtype=torch.float64, device=x.device
+    )
+    flags = torch.zeros(1, dtype=torch.int32, device=x.device)
+    launch = _Launcher("sign", x.device)
+    t, has_e = _CTYPE[x.dtype], _BOOLS[residual is not None]
+    sums = _block_reduce(launch, _SUM_ABS, x, residual, None, layout, scratch, 0, flags)
+    launch(
+        f"commpress::cuda::sign_finalize_kernel<{t}>",
+        _blocks_for(nblocks),
+        _THREADS,
+        _ptr(scratch, 8 * sums),
+        struct,
+        _ptr(scales),
+        _ptr(flags),
+    )
+    launch(
+        f"commpress::cuda::sign_encode_kernel<{t}, {has_e}>",
+        _blocks_for(-(-n // _WARP) * _WARP),
+        _THREADS,
+        _ptr(x),
+        _ptr(residual),
+        _ptr(scales),
+        struct,
+        _ptr(bits),
+        _ptr(flags),
+    )
+    f = _read_flags(flags)
+    if f & _FLAG_NON_FINITE:
+        raise _non_finite(op, residual is not None)
+    if f & _FLAG_OVERFLOW:
+        raise fail(
+            op,
+            f"a block's mean magnitude overflows {c10_name(ct)} (NaN or Inf scale; nothing was written)",
+        )
+    return scales, bits
+
+
+def sign_decode(
+    scales: torch.Tensor,
+    bits: torch.Tensor,
+    block_size: int,
+    out: torch.Tensor,
+    accumulate: bool = True,
+) -> None:
+    """``out (+)= +-scale`` per element."""
+    op = "sign_decode"
+    block = checks.check_sign_decode(scales, bits, block_size, out, DEVICE)
+    checks.check_same_device(op, "scales", scales, out, "out")
+    checks.check_same_device(op, "bits", bits, out, "out")
+    n = out.numel()
+    if n == 0:
+        return
+    struct, _, _ = _layout(n, block)
+    _Launcher("sign", out.device)(
+        f"commpress::cuda::sign_decode_kernel<{_CTYPE[out.dtype]}, {_BOOLS[bool(accumulate)]}>",
+        _blocks_for(-(-n // _WARP) * _WARP),
+        _THREADS,
+        _ptr(scales),
+        _ptr(bits),
+        struct,
+        _ptr(out),
+    )
+
+
+# ----- qsgd ---------------------------------------------------------------------------------------
+def qsgd_encode(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    bits: int,
+    levels: int,
+    bucket_size: int,
+    seed: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norms, packed levels)`` of QSGD; with ``residual``, fused error feedback."""
+    op = "qsgd_encode"
+    checks.check_qsgd_encode(x, residual, bits, levels, bucket_size, DEVICE)
+    n = x.numel()
+    ct = compute_dtype(x.dtype)
+    norms = torch.empty(checks.n_blocks(n, bucket_size), dtype=ct, device=x.device)
+    packed = torch.empty(checks.packed_nbytes(n, bits), dtype=torch.uint8, device=x.device)
+    if n == 0:
+        return norms, packed
+    layout = _layout(n, bucket_size)
+    struct, nblocks, groups = layout
+    per_reduction = _reduce_scratch(nblocks, groups)
+    scratch = torch.empty(2 * per_reduction + 2, dtype=torch.float64, device=x.device)
+    flags = torch.zeros(1, dtype=torch.int32, device=x.device)
+    launch = _Launcher("qsgd", x.device)
+    t, has_e = _CTYPE[x.dtype], _BOOLS[residual is not None]
+    amax: int | None = None
+    if x.dtype == torch.float64:
+        # squares of float64 can overflow: divide by the bucket's max magnitude first
+        amax = _block_reduce(launch, _MAX_ABS, x, residual, None, layout, scratch, 0, flags)
+        sums = _block_reduce(
+            launch, _SUM_SCALED_SQUARE, x, residual, amax, layout, scratch, per_reduction + 1, flags
+        )
+    else:
+        sums = _block_reduce(launch, _SUM_SQUARE, x, residual, None, layout, scratch, 0, flags)
+    limit = _DTYPE_MAX[x.dtype]
+    launch(
+        f"commpress::cuda::qsgd_finalize_kernel<{t}>",
+        _blocks_for(nblocks),
+        _THREADS,
+        _ptr(scratch, 8 * sums),
+        _ptr(scratch, 8 * amax) if amax is not None else np.uint64(0),
+        struct,
+        np.float64(limit),
+        _ptr(norms),
+        _ptr(flags),
+    )
+    launch(
+        f"commpress::cuda::qsgd_encode_kernel<{t}, {has_e}, {bits}>",
+        _blocks_for(-(-n // _WARP) * _WARP),
+        _THREADS,
+        _ptr(x),
+        _ptr(residual),
+        _ptr(norms),
+        struct,
+        np.int32(levels),
+        _rng_key(seed, rng.STREAM_QSGD),
+        _ptr(packed),
+        _ptr(flags),
+    )
+    f = _read_flags(flags)
+    if f & _FLAG_NON_FINITE:
+        raise _non_finite(op, residual is not None)
+    if f & _FLAG_OVERFLOW:
+        raise fail(
+            op,
+            f"a bucket norm overflows {c10_name(ct)} (NaN or Inf norm; nothing was written)",
+        )
+    if f & _FLAG_TOO_BIG:
+        big = float(norms[norms > limit][0])
+        raise fail(
+            op,
+            f"a bucket norm {big:g} exceeds {c10_name(x.dtype)}'s range; use a smaller bucket_size (nothing was written)",
+        )
+    return norms, packed
+
+
+def qsgd_decode(
+    norms: torch.Tensor,
+    packed: torch.Tensor,
+    bits: int,
+    levels: int,
+    bucket_size: int,
+    out: torch.Tensor,
+    accumulate: bool = True,
+) -> None:
+    """``out (+)= norm * ((field - s) / s)`` per element."""
+    op = "qsgd_decode"
+    checks.check_qsgd_decode(norms, packed, bits, levels, bucket_size, out, DEVICE)
+    checks.check_same_device(op, "norms", norms, out, "out")
+    checks.check_same_device(op, "packed", packed, out, "out")
+    n = out.numel()
+    if n == 0:
+        return
+    struct, _, _ = _layout(n, bucket_size)
+    _Launcher("qsgd", out.device)(
+        f"commpress::cuda::qsgd_decode_kernel<{_CTYPE[out.dtype]}, {bits}, {_BOOLS[bool(accumulate)]}>",
+        _blocks_for(-(-n // _WARP) * _WARP),
+        _THREADS,
+        _ptr(norms),
+        _ptr(packed),
+        struct,
+        np.int32(levels),
+        _ptr(out),
+    )
+
+
+# ----- top-k and sparse scatter-add ---------------------------------------------------------------
+def topk_select(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(indices, values)`` of the k largest ``|x|``, exact, ties to the lower index, ascending."""
+    op = "topk_select"
+    checks.check_topk_select(x, k, DEVICE)
+    n = x.numel()
+    index64 = n > (1 << 31) - 1
+    indices = torch.empty(k, dtype=torch.int64 if index64 else torch.int32, device=x.device)
+    values = torch.empty(k, dtype=x.dtype, device=x.device)
+    if n == 0:
+        return indices, values
+    t = _CTYPE[x.dtype]
+    flags = torch.zeros(1, dtype=torch.int32, device=x.device)
+    launch = _Launcher("topk", x.device)
+    ns = "commpress::cuda::"
+    if k == 0:  # nothing to select, but x must still be finite
+        launch(
+            f"{ns}check_finite_kernel<{t}>",
+            _blocks_for(n),
+            _THREADS,
+            _ptr(x),
+            np.int64(n),
+            _ptr(flags),
+        )
+    else:
+        # scratch: SelectState, then hist[kBins], counts, off_gt, off_eq (kCountBlocks each)
+        scratch = torch.empty(
+            _STATE_BYTES // 8 + _BINS + 3 * _COUNT_BLOCKS, dtype=torch.int64, device=x.device
+        )
+        state = scratch[: _STATE_BYTES // 8]
+        state.zero_()
+        state[2].fill_(k)  # SelectState{prefix 0, mask 0, remaining k, pad 0}
+        hist = scratch[_STATE_BYTES // 8 : _STATE_BYTES // 8 + _BINS]
+        counts_off = _STATE_BYTES + 8 * _BINS
+        gt_off, eq_off = counts_off + 8 * _COUNT_BLOCKS, counts_off + 16 * _COUNT_BLOCKS
+        # the top key bit is the sign, always 0 after fabs: digits cover bits [0, key_bits - 1)
+        shift = (64 if x.dtype == torch.float64 else 32) - 1
+        first = True
+        while shift > 0:
+            width = min(shift, _DIGIT_BITS)
+            shift -= width
+            hist.zero_()
+            launch(
+                f"{ns}histogram_kernel<{t}>",
+                min(_blocks_for(n), 1024),
+                _THREADS,
+                _ptr(x),
+                np.int64(n),
+                _ptr(state),
+                np.int32(shift),
+                np.int32(width),
+                _ptr(hist),
+                _ptr(flags),
+                np.bool_(first),
+            )
+            launch(
+                f"{ns}select_digit_kernel",
+                1,
+                _THREADS,
+                _ptr(hist),
+                np.int32(shift),
+                np.int32(width),
+                _ptr(state),
+            )
+            first = False
+        cblocks = min(n // _THREADS + 1, _COUNT_BLOCKS)
+        launch(
+            f"{ns}count_kernel<{t}>",
+            cblocks,
+            _THREADS,
+            _ptr(x),
+            np.int64(n),
+            _ptr(state),
+            _ptr(scratch, counts_off),
+        )
+        launch(
+            f"{ns}scan_counts_kernel",
+            1,
+            _COUNT_BLOCKS,
+            _ptr(scratch, counts_off),
+            np.int32(cblocks),
+            _ptr(scratch, gt_off),
+            _ptr(scratch, eq_off),
+        )
+        launch(
+            f"{ns}write_kernel<{t}, {'int64_t' if index64 else 'int32_t'}>",
+            cblocks,
+            _THREADS,
+            _ptr(x),
+            np.int64(n),
+            _ptr(state),
+            _ptr(scratch, gt_off),
+            _ptr(scratch, eq_off),
+            _ptr(indices),
+            _ptr(values),
+        )
+    if _read_flags(flags) & 1:
+        raise fail(op, "x contains NaN or Inf (non-finite input)")
+    return indices, values
+
+
+def sparse_scatter_add(
+    indices: Sequence[torch.Tensor], values: Sequence[torch.Tensor], out: torch.Tensor
+) -> None:
+    """``out[indices[p]] += values[p]`` payload by payload; every payload is validated first."""
+    op = "sparse_scatter_add"
+    indices, values = list(indices), list(values)
+    checks.check_scatter_payloads(indices, values, out, DEVICE)
+    for idx, val in zip(indices, values):
+        checks.check_same_device(op, "indices[p]", idx, out, "out")
+        checks.check_same_device(op, "values[p]", val, out, "out")
+    if not indices:
+        return
+    n = out.numel()
+    ns = "commpress::cuda::"
+    launch = _Launcher("topk", out.device)
+    # All payloads are validated before any is added: the add kernels skip once first_bad is set.
+    first_bad = torch.full((1,), -1, dtype=torch.int64, device=out.device)  # UINT64_MAX
+    for p, idx in enumerate(indices):
+        if idx.numel():
+            launch(
+                f"{ns}scatter_validate_kernel<{'int64_t' if idx.dtype == torch.int64 else 'int32_t'}>",
+                _blocks_for(idx.numel()),
+                _THREADS,
+                _ptr(idx),
+                np.int64(idx.numel()),
+                np.int64(n),
+                np.int64(p),
+                _ptr(first_bad),
+            )
+    t = _CTYPE[out.dtype]
+    for idx, val in zip(indices, values):
+        if idx.numel():
+            launch(
+                f"{ns}scatter_add_kernel<{'int64_t' if idx.dtype == torch.int64 else 'int32_t'}, {t}>",
+                _blocks_for(idx.numel()),
+                _THREADS,
+                _ptr(idx),
+                _ptr(val),
+                np.int64(idx.numel()),
+                _ptr(out),
+                _ptr(first_bad),
+            )
+    code = int(first_bad.item()) & rng.SEED_MASK
+    if code != rng.SEED_MASK:
+        p, j = code >> 40, (code >> 1) & ((1 << 39) - 1)
+        # kind bit 0: out of range, 1: not increasing; the message follows from the values
+        value = int(indices[p][j])
+        previous = int(indices[p][j - 1]) if j else 0
+        raise fail(op, checks.bad_index_message(p, j, value, previous, n))
+
+
+# ----- random-k -----------------------------------------------------------------------------------
+def randomk_gather(x: torch.Tensor, k: int, seed: int, scaled: bool) -> torch.Tensor:
+    """The k values random-k sends (one per stratum, shared-seed positions)."""
+    op = "randomk_gather"
+    checks.check_randomk_gather(x, k, DEVICE)
+    n = x.numel()
+    values = torch.empty(k, dtype=x.dtype, device=x.device)
+    if n == 0:
+        return values
+    t = _CTYPE[x.dtype]
+    flags = torch.zeros(1, dtype=torch.int32, device=x.device)
+    launch = _Launcher("randomk", x.device)
+    launch(
+        f"commpress::cuda::check_finite_kernel<{t}>",
+        _blocks_for(n),
+        _THREADS,
+        _ptr(x),
+        np.int64(n),
+        _ptr(flags),
+    )
+    launch(
+        f"commpress::cuda::gather_kernel<{t}>",
+        _blocks_for(k),
+        _THREADS,
+        _ptr(x),
+        np.int64(n),
+        np.int64(k),
+        _rng_key(seed, rng.STREAM_RANDOMK),
+        np.bool_(scaled),
+        _ptr(values),
+        _ptr(flags),
+    )
+    f = _read_flags(flags)
+    if f & 1:
+        raise fail(op, "x contains NaN or Inf (non-finite input)")
+    if f & 2:
+        raise fail(
+            op, f"x scaled by its block length overflows {c10_name(x.dtype)}; use scaled=False"
+        )
+    return values
+
+
+def randomk_scatter_add(values: torch.Tensor, seed: int, out: torch.Tensor) -> None:
+    """``out[idx] += values`` at the seed's random-k positions."""
+    checks.check_randomk_scatter(values, out, DEVICE)
+    checks.check_same_device("randomk_scatter_add", "values", values, out, "out")
+    k = values.numel()
+    if k == 0:
+        return
+    _Launcher("randomk", out.device)(
+        f"commpress::cuda::scatter_kernel<{_CTYPE[out.dtype]}>",
+        _blocks_for(k),
+        _THREADS,
+        _ptr(values),
+        np.int64(k),
+        np.int64(out.numel()),
+        _rng_key(seed, rng.STREAM_RANDOMK),
+        _ptr(out),
+    )
