@@ -13,7 +13,7 @@ import torch
 
 MPI = pytest.importorskip("mpi4py.MPI")
 
-from commpress.ps import ProtocolError  # noqa: E402
+from commpress.ps import ProtocolError, transport  # noqa: E402
 from commpress.ps.protocol import TO_SERVER, MsgType, build, parse_header  # noqa: E402
 from commpress.ps.transport import Inbox, Outbox, cuda_aware, to_mpi  # noqa: E402
 
@@ -77,6 +77,45 @@ def test_host_buffers_are_zero_copy_views():
     assert cuda_aware("no") is False
 
 
+def test_open_mpi_says_whether_it_is_cuda_aware():
+    answer = transport.mpix_cuda_support()
+    if MPI.Get_library_version().startswith("Open MPI"):
+        assert isinstance(answer, bool)  # the pip wheel of Open MPI: False
+    else:
+        assert answer in (None, False, True)
+
+
+class _FakeMPI:
+    def __init__(self, answer):
+        self.answer = answer
+
+    def Query_cuda_support(self):  # noqa: N802 - mpi4py's spelling
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        return self.answer
+
+
+def test_cuda_aware_auto_asks_mpi(monkeypatch):
+    monkeypatch.setattr(transport, "_cupy", lambda: object())  # as if CuPy were installed
+    assert cuda_aware("yes") is True and cuda_aware("no") is False
+    for answer, want in ((True, True), (False, False), (RuntimeError("no extension"), False)):
+        monkeypatch.setattr(transport, "mpi", lambda a=answer: _FakeMPI(a))
+        assert cuda_aware("auto") is want
+    # an mpi4py without Query_cuda_support: Open MPI's MPIX query decides
+    monkeypatch.setattr(transport, "mpi", lambda: object())
+    for answer in (True, False, None):
+        monkeypatch.setattr(transport, "mpix_cuda_support", lambda a=answer: a)
+        assert cuda_aware("auto") is bool(answer)
+    monkeypatch.setattr(transport, "_cupy", lambda: None)  # device buffers need CuPy
+    assert cuda_aware("yes") is False
+
+
+def test_device_buffers_without_a_device_tensor_stay_host_views():
+    t = torch.arange(8, dtype=torch.uint8)
+    view = to_mpi(t, device_buffers=True)  # CPU tensors never go through CuPy
+    assert isinstance(view, np.ndarray) and np.shares_memory(view, t.numpy())
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_device_tensors_go_as_host_copies_or_device_buffers(comm):
     t = torch.arange(64, dtype=torch.uint8, device="cuda")
@@ -85,11 +124,28 @@ def test_device_tensors_go_as_host_copies_or_device_buffers(comm):
     cupy = pytest.importorskip("cupy")
     dev = to_mpi(t, device_buffers=True)
     assert isinstance(dev, cupy.ndarray) and int(dev[5]) == 5
+    assert dev.data.ptr == t.data_ptr()  # the device buffer itself, no copy
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_buffers_travel(comm):
+    # staged through host memory, or handed to MPI as device memory when it is CUDA-aware
+    dest, src = _ring(comm)
+    aware = cuda_aware("auto")
+    out = Outbox(comm, device_buffers=aware)
+    msg = build(MsgType.PUSH, shard=0, worker=comm.Get_rank(), step=3, parts=[bytes(range(200))])
+    out.post(dest, msg.cuda())
+    got = Inbox(comm, 4096).wait([src], time.monotonic() + 30)
+    assert got is not None and got[1][48:].tobytes() == bytes(range(200))
+    assert out.flush(time.monotonic() + 30)
 
 
 def _main() -> None:
-    for test in (test_messages_travel_as_byte_buffers, test_oversized_message_is_consumed_and_rejected,
-                 test_wait_has_a_deadline):
+    for test in (
+        test_messages_travel_as_byte_buffers,
+        test_oversized_message_is_consumed_and_rejected,
+        test_wait_has_a_deadline,
+    ):
         c = COMM.Dup()
         test(c)
         c.Barrier()

@@ -5,9 +5,14 @@
   buffer of its actual size and rejected (see :meth:`Inbox.receive`); no buffer is ever sized
   from a header field.
 * Sends are ``Isend`` of a contiguous uint8 buffer kept alive in an :class:`Outbox` until MPI
-  is done with it. CPU tensors go as zero-copy NumPy views; CUDA tensors go as host copies,
-  or, when MPI is CUDA-aware and CuPy is installed, as the device buffer itself after the
-  tensor's stream is synchronised.
+  is done with it. CPU tensors go as zero-copy NumPy views; CUDA tensors go as host copies
+  (staged), or, when MPI is CUDA-aware and CuPy is installed, as the device buffer itself
+  after the tensor's stream is synchronised (MPI reads it outside any CUDA stream).
+  CUDA-awareness is asked of the library (:func:`cuda_aware`): mpi4py's
+  ``MPI.Query_cuda_support`` where this mpi4py has it, else Open MPI's
+  ``MPIX_Query_cuda_support``; an MPI that cannot say is treated as not CUDA-aware.
+* Received messages land in host memory: workers decode replies on the host (bit-identical
+  to the server's replica) and copy the result to the device.
 * Waits poll with a growing sleep (20 us .. 2 ms), so oversubscribed ranks leave the cores
   to those doing work, and every wait has a deadline.
 """
@@ -24,12 +29,7 @@ import torch
 from .errors import ProtocolError
 from .protocol import HEADER_NBYTES
 
-try:  # optional: device buffers for CUDA-aware MPI
-    import cupy
-except ImportError:  # pragma: no cover - CuPy is not installed on CPU machines
-    cupy = None
-
-TAG = 7011        #: worker <-> server traffic
+TAG = 7011  #: worker <-> server traffic
 TAG_FINAL = 7012  #: servers -> rank 0 at the end of a run
 
 
@@ -40,15 +40,43 @@ def mpi() -> Any:
     return MPI
 
 
+def _cupy() -> Any:
+    """CuPy, or None when it is not installed (imported only when device buffers are asked for)."""
+    try:
+        import cupy
+    except ImportError:
+        return None
+    return cupy
+
+
+def mpix_cuda_support() -> bool | None:
+    """Open MPI's ``MPIX_Query_cuda_support()`` (run-time CUDA support); None without it.
+
+    mpi4py 4.1 does not wrap it, so it is looked up in the MPI library mpi4py loaded (dlsym
+    through the extension module's handle, which searches its dependencies). Call after
+    ``MPI_Init`` (importing ``mpi4py.MPI`` does it).
+    """
+    import ctypes
+
+    try:
+        fn = ctypes.CDLL(mpi().__file__).MPIX_Query_cuda_support
+    except (OSError, AttributeError):  # not Open MPI, or built without the extension
+        return None
+    fn.argtypes, fn.restype = [], ctypes.c_int
+    return bool(fn())
+
+
 def cuda_aware(setting: str) -> bool:
     """Whether to hand MPI device buffers: ``yes``/``no``, or ``auto`` (ask MPI; needs CuPy)."""
-    if setting == "no" or cupy is None:
+    if setting == "no" or _cupy() is None:
         return False
     if setting == "yes":
         return True
-    query = getattr(mpi(), "Query_cuda_support", None)
+    query = getattr(mpi(), "Query_cuda_support", None)  # mpi4py >= 4.2 (MPI 5 / MPIX)
     try:
-        return bool(query()) if query is not None else False
+        if query is not None:
+            return bool(query())
+        return bool(mpix_cuda_support())
     except Exception:  # noqa: BLE001 - an MPI without the extension: host copies
         return False
 
@@ -74,10 +102,12 @@ def to_mpi(msg: torch.Tensor, device_buffers: bool) -> Any:
     """A buffer MPI can send for the uint8 tensor ``msg`` (see the module docstring)."""
     if msg.device.type == "cpu":
         return msg.numpy()
-    if device_buffers and cupy is not None and msg.device.type == "cuda":
-        torch.cuda.current_stream(msg.device).synchronize()  # the bytes must be written first
-        return cupy.asarray(msg)
-    return msg.cpu().numpy()  # synchronous device-to-host copy
+    cupy = _cupy() if device_buffers and msg.device.type == "cuda" else None
+    if cupy is not None:
+        # MPI reads the memory outside any stream: the bytes must be written first
+        torch.cuda.current_stream(msg.device).synchronize()
+        return cupy.asarray(msg.detach().contiguous())  # zero copy (__cuda_array_interface__)
+    return msg.detach().contiguous().cpu().numpy()  # staged: synchronous device-to-host copy
 
 
 class Outbox:
@@ -164,7 +194,10 @@ class Inbox:
             junk = np.empty(count, dtype=np.uint8)
             self.comm.Recv([junk, count, mpi().BYTE], source=source, tag=self.tag)
             del junk
-            raise ProtocolError(f"oversized message: {count} bytes, the largest valid one here is {self.limit}", source)
+            raise ProtocolError(
+                f"oversized message: {count} bytes, the largest valid one here is {self.limit}",
+                source,
+            )
         buf = self._pool[:count]
         self.comm.Recv([buf, count, mpi().BYTE], source=source, tag=self.tag)
         return buf
