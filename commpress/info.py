@@ -16,6 +16,13 @@ def _has_module(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
+def _cuda_sources_present() -> bool:
+    # the CuPy backend compiles csrc/cuda at run time (commpress/backends/cupy_cuda.py)
+    from .backends.cupy_cuda import CSRC, UNITS
+
+    return all((CSRC / "cuda" / f"{unit}.cu").is_file() for unit in UNITS)
+
+
 def info() -> dict[str, Any]:
     """Report versions, native kernels per device, optional libraries and codecs.
 
@@ -33,6 +40,9 @@ def info() -> dict[str, Any]:
             "reference": True,
             "cpu": any("cpu" in d for d in ops.native_ops().values()),
             "cuda": any("cuda" in d for d in ops.native_ops().values()),
+            # installed, not probed: whether a GPU is usable is asked only when an op runs
+            "numba (cpu)": _has_module("numba"),
+            "cupy (cuda)": _has_module("cupy") and _cuda_sources_present(),
         },
         "optional": {name: _has_module(name) for name in ("numba", "cupy", "mpi4py", "tqdm")},
         "codecs": available(),
@@ -50,6 +60,9 @@ def format_info(report: dict[str, Any]) -> str:
     for op, devices in native["ops"].items():
         lines.append(f"  {op:<14} {', '.join(devices) or '-'}")
     lines.append("backends   " + ", ".join(k for k, v in report["backends"].items() if v))
-    lines.append("optional   " + ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in report["optional"].items()))
+    lines.append(
+        "optional   "
+        + ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in report["optional"].items())
+    )
     lines.append("codecs     " + ", ".join(report["codecs"]))
     return "\n".join(lines)
