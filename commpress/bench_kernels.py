@@ -1,9 +1,11 @@
 """Codec kernels vs memory bandwidth, vs the pure-torch reference and vs torch.topk.
 
     python scripts/bench_kernels.py [--device cpu|cuda] [--sizes 1M 16M 64M] [--threads 1 all]
-                                    [--min-run-time 0.5] [--markdown FILE]
+                                    [--backends native numba] [--min-run-time 0.5] [--markdown FILE]
 
-For every size and thread count it times, on the same float32 input:
+For every size and thread count it times, on the same float32 input and on every backend that
+runs here for the device (``native``: the C++/CUDA extension; ``numba`` on the CPU and ``cupy``
+on CUDA: the Python backends of :mod:`commpress.backends`, single-threaded for numba):
 
 * ``copy_`` of the tensor: the bandwidth ceiling (GB/s = bytes read + bytes written);
 * every native op (fused error feedback + sign encode, sign decode-accumulate, fused error
@@ -32,11 +34,12 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.utils.benchmark import Timer
 
-from . import ops
+from . import backends, ops
 from .codecs import qsgd as qsgd_ref
 from .codecs import randomk as randomk_ref
 from .codecs import sign as sign_ref
@@ -53,6 +56,7 @@ class Row:
 
     size: str
     threads: str
+    backend: str
     op: str
     ms: float
     bytes_per_elt: float | None = None
@@ -101,10 +105,22 @@ def machine(device: str) -> str:
     return text
 
 
+def kernels(backend: str) -> object:
+    """The ops of ``backend`` with the native schemas' arguments."""
+    return torch.ops.commpress if backend == "native" else backends.module(backend)
+
+
 def bench_size(
-    device: str, label: str, n: int, threads: str, mrt: float, with_ref: bool, only: list[str]
+    device: str,
+    label: str,
+    n: int,
+    threads: str,
+    mrt: float,
+    with_ref: bool,
+    only: list[str],
+    backend_names: list[str],
 ) -> list[Row]:
-    """Time every op on one size and thread count."""
+    """Time every op on one size and thread count, on each backend; references once."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, generator=g).to(device)
     e = (torch.randn(n, generator=g) * 0.1).to(device)
@@ -115,9 +131,30 @@ def bench_size(
 
     copy_s = timed(lambda: dst.copy_(x), mrt)
     copy_gbps = 8 * n / copy_s / 1e9
-    rows.append(Row(label, threads, "copy_", copy_s * 1e3, 8, copy_gbps, 100.0))
+    rows.append(Row(label, threads, "torch", "copy_", copy_s * 1e3, 8, copy_gbps, 100.0))
+    for backend in backend_names:
+        rows += _bench_backend(backend, label, n, threads, mrt, with_ref, only, x, e, out, k, copy_gbps, rows)
+    return rows
 
-    c = torch.ops.commpress
+
+def _bench_backend(
+    backend: str,
+    label: str,
+    n: int,
+    threads: str,
+    mrt: float,
+    with_ref: bool,
+    only: list[str],
+    x: torch.Tensor,
+    e: torch.Tensor,
+    out: torch.Tensor,
+    k: int,
+    copy_gbps: float,
+    earlier: list[Row],
+) -> list[Row]:
+    """Time every op of one backend (references: timed for the first backend only)."""
+    c: Any = kernels(backend)
+    rows: list[Row] = []
     scales, bits = c.sign_encode(x, None, 0)
     norms, packed = c.qsgd_encode(x, None, 4, 7, BUCKET, 1)
     tk_idx, tk_val = c.topk_select(x, k)
@@ -150,11 +187,15 @@ def bench_size(
             continue
         s = timed(native, mrt)
         gbps = per_elt * n / s / 1e9
-        row = Row(label, threads, name, s * 1e3, per_elt, gbps, 100 * gbps / copy_gbps)
-        if with_ref and reference is not None:
+        row = Row(label, threads, backend, name, s * 1e3, per_elt, gbps, 100 * gbps / copy_gbps)
+        first = next((r for r in earlier if r.op == name), None)  # same op on an earlier backend
+        if first is not None:
+            row.ref_ms, row.topk_ms = first.ref_ms, first.topk_ms
+        elif with_ref and reference is not None:
             row.ref_ms = timed(reference, mrt) * 1e3
         if name.startswith("top-k 1% select"):
-            row.topk_ms = timed(lambda: torch.topk(x.abs(), k, sorted=False), mrt) * 1e3
+            if first is None:
+                row.topk_ms = timed(lambda: torch.topk(x.abs(), k, sorted=False), mrt) * 1e3
             want = topk_ref.select_reference(x, k)
             got = c.topk_select(x, k)
             exact = torch.equal(got[0].cpu(), want[0].cpu()) and torch.equal(got[1].cpu(), want[1].cpu())
@@ -173,17 +214,17 @@ def fmt(v: float | None, spec: str) -> str:
 
 def table(rows: list[Row], markdown: bool) -> str:
     """The result table as plain text or markdown."""
-    head = ["size", "threads", "op", "ms", "bytes/elt", "GB/s", "% of copy_", "reference ms", "x ref", "torch.topk ms", "x topk", "note"]
+    head = ["size", "threads", "backend", "op", "ms", "bytes/elt", "GB/s", "% of copy_", "reference ms", "x ref", "torch.topk ms", "x topk", "note"]
     lines = []
     body = [
-        [r.size, r.threads, r.op, fmt(r.ms, ".3f"), fmt(r.bytes_per_elt, ".3g"), fmt(r.gbps, ".1f"),
+        [r.size, r.threads, r.backend, r.op, fmt(r.ms, ".3f"), fmt(r.bytes_per_elt, ".3g"), fmt(r.gbps, ".1f"),
          fmt(r.pct_copy, ".0f"), fmt(r.ref_ms, ".1f"), fmt(r.vs_ref, ".0f"), fmt(r.topk_ms, ".1f"),
          fmt(r.vs_topk, ".0f"), r.note]
         for r in rows
     ]  # fmt: skip
     if markdown:
         lines.append("| " + " | ".join(head) + " |")
-        lines.append("|" + "|".join("---" if i < 3 else "---:" for i in range(len(head))) + "|")
+        lines.append("|" + "|".join("---" if i < 4 else "---:" for i in range(len(head))) + "|")
         lines += ["| " + " | ".join(b) + " |" for b in body]
     else:
         widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
@@ -200,16 +241,39 @@ def targets(rows: list[Row], device: str) -> list[str]:
         for op, pct in goals:
             if r.op == op:
                 ok = r.pct_copy is not None and r.pct_copy >= pct
-                out.append(f"{'MET   ' if ok else 'MISSED'} {r.size:>4} {r.threads:>3} thr  {op}: {r.pct_copy:.0f}% of copy_ (goal {pct}%)")
+                out.append(f"{'MET   ' if ok else 'MISSED'} {r.size:>4} {r.threads:>3} thr {r.backend:>6}  {op}: {r.pct_copy:.0f}% of copy_ (goal {pct}%)")
                 if r.vs_ref is not None:
                     ok = r.vs_ref >= 10
-                    out.append(f"{'MET   ' if ok else 'MISSED'} {r.size:>4} {r.threads:>3} thr  {op}: {r.vs_ref:.0f}x the reference (goal 10x)")
+                    out.append(f"{'MET   ' if ok else 'MISSED'} {r.size:>4} {r.threads:>3} thr {r.backend:>6}  {op}: {r.vs_ref:.0f}x the reference (goal 10x)")
         if r.op == "top-k 1% select" and r.vs_topk is not None:
             size, goal = ("16M", 10) if device == "cpu" else ("64M", 5)
             if r.size == size:
                 ok = r.vs_topk >= goal and r.note == "exact"
-                out.append(f"{'MET   ' if ok else 'MISSED'} {r.size:>4} {r.threads:>3} thr  top-k 1%: {r.vs_topk:.0f}x torch.topk, {r.note} (goal {goal}x, exact)")
+                out.append(f"{'MET   ' if ok else 'MISSED'} {r.size:>4} {r.threads:>3} thr {r.backend:>6}  top-k 1%: {r.vs_topk:.0f}x torch.topk, {r.note} (goal {goal}x, exact)")
     return out
+
+
+def available_backends(device: str) -> tuple[list[str], dict[str, str]]:
+    """Backends that have every op for ``device`` here, and why the others are left out."""
+    ok: list[str] = []
+    skipped: dict[str, str] = {}
+    reason = ops.load_native()
+    missing = [op for op in ops.native_ops() if device not in ops.native_ops()[op]]
+    if reason is not None or missing:
+        skipped["native"] = reason or f"built without {device} kernels for {missing}"
+    else:
+        ok.append("native")
+    for name, (_, dev) in backends.PYTHON_BACKENDS.items():
+        if dev != device:
+            continue
+        why = backends.unavailable(name)
+        if why is None and not all(backends.supports(name, op, device) for op in ops.native_ops()):
+            why = "does not implement every op"
+        if why is None:
+            ok.append(name)
+        else:
+            skipped[name] = why
+    return ok, skipped
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -221,17 +285,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--min-run-time", type=float, default=0.5, help="seconds per measurement")
     parser.add_argument("--no-reference", action="store_true", help="skip the (slow) pure-torch references")
     parser.add_argument("--ops", nargs="+", default=[], help="only the ops whose name contains one of these")
+    parser.add_argument("--backends", nargs="+", help="backends to time (default: every one available)")
     parser.add_argument("--markdown", help="also write the table and target lines to this file")
     args = parser.parse_args(argv)
 
-    reason = ops.load_native()
-    if reason is not None:
-        sys.exit(f"commpress._C is not available ({reason}); build it with pip install --no-build-isolation -e .")
-    missing = [op for op in ops.native_ops() if args.device not in ops.native_ops()[op]]
-    if missing:
-        sys.exit(f"no native {args.device} kernels for {missing}; rebuild the extension")
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda needs a CUDA GPU")
+    available, skipped = available_backends(args.device)
+    chosen = args.backends or list(available)
+    for name in chosen:
+        if name not in available:
+            sys.exit(f"backend {name!r} cannot run on {args.device} here: {skipped.get(name, 'unknown backend')}")
+    for name, why in skipped.items():
+        print(f"skipping backend {name}: {why}", file=sys.stderr)
+    if not chosen:
+        sys.exit(f"no kernel backend runs on {args.device} here")
+    if "numba" in chosen:
+        backends.module("numba").warm_up()  # compile (or load the cache) before timing
 
     all_threads = os.cpu_count() or 1
     thread_counts = ["-"] if args.device == "cuda" else args.threads
@@ -252,7 +322,7 @@ def main(argv: list[str] | None = None) -> None:
                 shown = str(all_threads)
             print(f"... {label} elements, threads {shown}", file=sys.stderr, flush=True)
             rows += bench_size(
-                args.device, label, SIZES[label], shown, args.min_run_time, not args.no_reference, args.ops
+                args.device, label, SIZES[label], shown, args.min_run_time, not args.no_reference, args.ops, chosen
             )
     print()
     print(table(rows, markdown=False))

@@ -81,16 +81,32 @@ def _add(a, b, mode):
 
 
 @njit(cache=True)
-def _tree_sum(w, start, stop, kind, scale, buf, chunks):
-    """commpress.codecs.base.tree_sum of |w|, w^2 or (w/scale)^2 over w[start:stop], in float64."""
+def _w(x, e, i, has_e, mode):
+    """The value encoded at i: x[i], or x[i] + e[i] rounded like the reference (x's dtype)."""
+    if has_e:
+        c = x[i] + e[i]
+        if mode == 0:
+            return c
+        return x.dtype.type(_round(np.float64(c), mode))
+    return x[i]
+
+
+@njit(cache=True)
+def _tree_sum(x, e, has_e, mode, start, stop, kind, scale, buf, chunks):
+    """commpress.codecs.base.tree_sum of |w|, w^2 or (w/scale)^2 over w[start:stop] in float64.
+
+    Returns (sum, all finite); w is recomputed from x and e (no copy of it is stored).
+    """
+    finite = True
     length = stop - start
     nchunks = max(1, (length + _SUM_CHUNK - 1) // _SUM_CHUNK)
     for c in range(nchunks):
+        base = start + c * _SUM_CHUNK
         for j in range(_SUM_CHUNK):
-            i = start + c * _SUM_CHUNK + j
             v = 0.0
-            if i < stop:
-                d = np.float64(w[i])
+            if base + j < stop:
+                d = np.float64(_w(x, e, base + j, has_e, mode))
+                finite &= np.isfinite(d)
                 if kind == _ABS:
                     v = abs(d)
                 elif kind == _SQUARE:
@@ -112,20 +128,7 @@ def _tree_sum(w, start, stop, kind, scale, buf, chunks):
             b = chunks[2 * j + 1] if 2 * j + 1 < count else 0.0
             chunks[j] = chunks[2 * j] + b
         count = half
-    return chunks[0]
-
-
-@njit(cache=True)
-def _corrected(x, e, has_e, mode, w):
-    """Write round(x + e), or x, into w; False when a value is NaN/Inf."""
-    for i in range(x.size):
-        if has_e:
-            w[i] = _round(np.float64(x[i] + e[i]), mode)
-        else:
-            w[i] = x[i]
-        if not np.isfinite(w[i]):
-            return False
-    return True
+    return chunks[0], finite
 
 
 # ----- bit packing -------------------------------------------------------------------------------
@@ -160,43 +163,62 @@ def unpack(packed, bits, n, fields):
 # ----- sign --------------------------------------------------------------------------------------
 @njit(cache=True)
 def sign_encode(x, e, has_e, mode, block, scales, bits):
-    """Scales, bits and (with has_e) the new residual; returns a status, writes e only on OK."""
+    """Scales, bits and (with has_e) the new residual; returns a status, writes e only on OK.
+
+    Two passes like the native kernel: block sums, then bits and residual together.
+    """
     n = x.size
-    w = np.empty_like(x)
-    if not _corrected(x, e, has_e, mode, w):
-        return _NON_FINITE
     buf = np.empty(_SUM_CHUNK)
     chunks = np.empty(max(1, (block + _SUM_CHUNK - 1) // _SUM_CHUNK))
+    finite = True
     for b in range(scales.size):
         s0 = b * block
         s1 = min(n, s0 + block)
-        scales[b] = _tree_sum(w, s0, s1, _ABS, 1.0, buf, chunks) / np.float64(s1 - s0)
+        total, ok = _tree_sum(x, e, has_e, mode, s0, s1, _ABS, 1.0, buf, chunks)
+        finite &= ok
+        scales[b] = total / np.float64(s1 - s0)
+    if not finite:
+        return _NON_FINITE
+    for b in range(scales.size):
         if not np.isfinite(scales[b]):
             return _OVERFLOW
-    for j in range(bits.size):
-        acc = 0
-        for t in range(8):
-            i = 8 * j + t
-            if i < n and w[i] < 0:
-                acc |= 1 << t
-        bits[j] = acc
-    if has_e:
-        for i in range(n):
-            sc = scales[i // block]
-            d = _round(np.float64(-sc if w[i] < 0 else sc), mode)
-            e[i] = np.float64(x[i] + e[i]) - d
+    d = np.empty(2, dtype=x.dtype)  # a block's decoded +scale / -scale, compute dtype
+    b = -1
+    edge = 0
+    acc = 0
+    for i in range(n):
+        if i == edge:
+            b += 1
+            edge += block
+            d[0] = _round(np.float64(scales[b]), mode)
+            d[1] = _round(np.float64(-scales[b]), mode)
+        w = _w(x, e, i, has_e, mode)
+        negative = 1 if w < 0 else 0
+        acc |= negative << (i & 7)
+        if i & 7 == 7:
+            bits[i >> 3] = acc
+            acc = 0
+        if has_e:
+            e[i] = (x[i] + e[i]) - d[negative]
+    if n & 7:
+        bits[n >> 3] = acc
     return _OK
 
 
 @njit(cache=True)
 def sign_decode(scales, bits, block, out, accumulate, mode):
     """Set out to (out if accumulate else 0) + round(+-scale)."""
-    for i in range(out.size):
-        sc = scales[i // block]
-        negative = (bits[i >> 3] >> (i & 7)) & 1
-        d = _round(np.float64(-sc if negative else sc), mode)
-        base = out[i] if accumulate else 0.0
-        out[i] = _add(base, d, mode)
+    n = out.size
+    d = np.empty(2, dtype=out.dtype)
+    for b in range(scales.size):
+        d[0] = _round(np.float64(scales[b]), mode)
+        d[1] = _round(np.float64(-scales[b]), mode)
+        for i in range(b * block, min(n, (b + 1) * block)):
+            v = d[(bits[i >> 3] >> (i & 7)) & 1]
+            if mode == 0:
+                out[i] = (out[i] if accumulate else out.dtype.type(0)) + v
+            else:
+                out[i] = _add(out[i] if accumulate else 0.0, v, mode)
 
 
 # ----- qsgd --------------------------------------------------------------------------------------
@@ -213,22 +235,29 @@ def _level_values(bits, s, like):
 def qsgd_encode(x, e, has_e, mode, wide, bits, s, bucket, key, limit, norms, packed):
     """Norms, packed levels and (with has_e) the new residual; returns a status. wide: float64."""
     n = x.size
-    w = np.empty_like(x)
-    if not _corrected(x, e, has_e, mode, w):
-        return _NON_FINITE
     buf = np.empty(_SUM_CHUNK)
     chunks = np.empty(max(1, (bucket + _SUM_CHUNK - 1) // _SUM_CHUNK))
+    finite = True
     for b in range(norms.size):
         s0 = b * bucket
         s1 = min(n, s0 + bucket)
         if wide:  # divide by the max magnitude first: float64 squares can overflow
             amax = 0.0
             for i in range(s0, s1):
-                amax = max(amax, abs(np.float64(w[i])))
+                v = abs(np.float64(_w(x, e, i, has_e, mode)))
+                finite &= np.isfinite(v)
+                amax = max(amax, v)
+            if not finite:
+                break
             safe = amax if amax > 0 else 1.0
-            norms[b] = math.sqrt(_tree_sum(w, s0, s1, _SCALED_SQUARE, safe, buf, chunks)) * amax
+            total, ok = _tree_sum(x, e, has_e, mode, s0, s1, _SCALED_SQUARE, safe, buf, chunks)
+            norms[b] = math.sqrt(total) * amax
         else:
-            norms[b] = math.sqrt(_tree_sum(w, s0, s1, _SQUARE, 1.0, buf, chunks))
+            total, ok = _tree_sum(x, e, has_e, mode, s0, s1, _SQUARE, 1.0, buf, chunks)
+            norms[b] = math.sqrt(total)
+        finite &= ok
+    if not finite:
+        return _NON_FINITE
     for b in range(norms.size):
         if not np.isfinite(norms[b]):
             return _OVERFLOW
@@ -236,22 +265,36 @@ def qsgd_encode(x, e, has_e, mode, wide, bits, s, bucket, key, limit, norms, pac
         if np.float64(norms[b]) > limit:
             return _ABOVE_LIMIT
     lv = _level_values(bits, s, norms)
-    packed[:] = 0
+    dec = np.empty(lv.size, dtype=x.dtype)  # decoded value of each field in the bucket
     top = np.int64(s)
+    b = -1
+    edge = 0
+    nb = norms[0]
+    acc = 0
     for i in range(n):
-        nb = norms[i // bucket]
-        a = abs(w[i]) / nb if nb > 0 else nb  # compute-dtype arithmetic; 0 for an all-zero bucket
+        if i == edge:
+            b += 1
+            edge += bucket
+            nb = norms[b]
+            if has_e:
+                for f in range(dec.size):
+                    dec[f] = _round(np.float64(nb * lv[f]), mode)
+        w = _w(x, e, i, has_e, mode)
+        a = abs(w) / nb if nb > 0 else nb  # compute-dtype arithmetic; 0 for an all-zero bucket
         t = a * s
         fl = np.floor(t)
         u = np.float32(_draw(key, i) >> np.uint64(40)) * np.float32(2.0**-24)
-        level = np.int64(fl) + (1 if u < t - fl else 0)
-        level = min(level, top)
-        field = (-level if w[i] < 0 else level) + top
-        pos = i * bits
-        packed[pos >> 3] |= field << (pos & 7)
+        level = min(np.int64(fl) + (1 if u < t - fl else 0), top)
+        field = (-level if w < 0 else level) + top
+        shift = (i * bits) & 7
+        acc |= field << shift
+        if shift + bits == 8:
+            packed[(i * bits) >> 3] = acc
+            acc = 0
         if has_e:
-            d = _round(np.float64(nb * lv[field]), mode)
-            e[i] = np.float64(x[i] + e[i]) - d
+            e[i] = (x[i] + e[i]) - dec[field]
+    if (n * bits) & 7:
+        packed[(n * bits) >> 3] = acc
     return _OK
 
 
@@ -259,41 +302,75 @@ def qsgd_encode(x, e, has_e, mode, wide, bits, s, bucket, key, limit, norms, pac
 def qsgd_decode(norms, packed, bits, s, bucket, out, accumulate, mode):
     """Set out to (out if accumulate else 0) + round(norm * ((f - s) / s))."""
     lv = _level_values(bits, s, norms)
+    dec = np.empty(lv.size, dtype=out.dtype)
     mask = (1 << bits) - 1
-    for i in range(out.size):
-        pos = i * bits
-        field = (np.int64(packed[pos >> 3]) >> (pos & 7)) & mask
-        d = _round(np.float64(norms[i // bucket] * lv[field]), mode)
-        base = out[i] if accumulate else 0.0
-        out[i] = _add(base, d, mode)
+    n = out.size
+    for b in range(norms.size):
+        for f in range(dec.size):
+            dec[f] = _round(np.float64(norms[b] * lv[f]), mode)
+        for i in range(b * bucket, min(n, (b + 1) * bucket)):
+            pos = i * bits
+            v = dec[(np.int64(packed[pos >> 3]) >> (pos & 7)) & mask]
+            if mode == 0:
+                out[i] = (out[i] if accumulate else out.dtype.type(0)) + v
+            else:
+                out[i] = _add(out[i] if accumulate else 0.0, v, mode)
 
 
 # ----- top-k -------------------------------------------------------------------------------------
+_SAMPLE = 16384  # magnitudes sampled to guess the top-k threshold
+
+
 @njit(cache=True)
 def topk_select(x, k, idx):
-    """Indices of the k largest |x|, ties to the lower index, ascending; False on NaN/Inf."""
+    """Indices of the k largest |x|, ties to the lower index, ascending; False on NaN/Inf.
+
+    Large inputs: a threshold from a strided sample keeps about 1.25k candidates in one pass,
+    and the exact selection runs on those (all of the k largest and every tie of the k-th are
+    among them, since the k-th largest is at least the threshold); when the guess keeps fewer
+    than k, every element is a candidate.
+    """
     n = x.size
-    mags = np.empty_like(x)
     for i in range(n):
         if not np.isfinite(x[i]):
             return False
-        mags[i] = abs(x[i])
     if k == 0:
         return True
-    kth = np.partition(mags, n - k)[n - k]
-    above = 0
+    threshold = 0.0
+    if n > 4 * _SAMPLE and k < n // 4:
+        step = n // _SAMPLE
+        sample = np.empty(_SAMPLE)
+        for j in range(_SAMPLE):
+            sample[j] = abs(np.float64(x[j * step]))
+        rank = int(_SAMPLE * (1.0 - 1.25 * k / n))
+        threshold = np.partition(sample, rank)[rank]
+    cand = np.empty(n, dtype=np.int64)
+    count = 0
     for i in range(n):
-        if mags[i] > kth:
+        if abs(np.float64(x[i])) >= threshold:
+            cand[count] = i
+            count += 1
+    if count < k:  # the sample guessed too high: take everything
+        for i in range(n):
+            cand[i] = i
+        count = n
+    mags = np.empty(count)
+    for j in range(count):
+        mags[j] = abs(np.float64(x[cand[j]]))
+    kth = np.partition(mags, count - k)[count - k]
+    above = 0
+    for j in range(count):
+        if mags[j] > kth:
             above += 1
     need_equal = k - above
-    j = 0
-    for i in range(n):
-        m = mags[i]
+    out = 0
+    for j in range(count):
+        m = mags[j]
         if m > kth or (m == kth and need_equal > 0):
             if m == kth:
                 need_equal -= 1
-            idx[j] = i
-            j += 1
+            idx[out] = cand[j]
+            out += 1
     return True
 
 
