@@ -2,9 +2,11 @@
 # Build commpress with its CUDA kernels and check them on this machine's NVIDIA GPU, in one go:
 #   1. build the extension (CPU + CUDA kernels) in a scratch copy of the checkout, for this
 #      GPU's architecture only (TORCH_CUDA_ARCH_LIST; a couple of minutes at most);
-#   2. pytest tests/test_native.py tests/test_kernels.py: every CUDA kernel against the
-#      pure-torch reference, bit for bit, opcheck, bad input;
-#   3. scripts/bench_kernels.py --device cuda: the kernel benchmark and its targets.
+#   2. pytest tests/test_native.py tests/test_kernels.py tests/test_cupy.py: every CUDA kernel
+#      against the pure-torch reference, bit for bit, opcheck, bad input -- on the native build
+#      and on the CuPy backend (the same sources through NVRTC) when CuPy is installed;
+#   3. scripts/bench_kernels.py --device cuda: the kernel benchmark and its targets, for every
+#      backend that runs (native, cupy).
 # Results (test log, benchmark table as text and markdown, versions) go to $OUT_DIR
 # (default: out/gpu-check/ in the checkout). A few minutes on an H100/H200.
 #
@@ -67,6 +69,15 @@ if [ -n "$missing" ]; then
   "$PY" -m pip install -q $missing || { log "could not install $missing; install them and rerun"; exit 2; }
 fi
 
+# CuPy (optional): the wheel for torch's CUDA major version, and NVRTC to compile with
+if ! "$PY" -c 'import cupy' 2>/dev/null; then
+  CUDA_MAJOR=$("$PY" -c 'import torch; print(torch.version.cuda.split(".")[0])')
+  log "installing cupy-cuda${CUDA_MAJOR}x for the CuPy backend (skipped if that fails)"
+  "$PY" -m pip install -q "cupy-cuda${CUDA_MAJOR}x" "nvidia-cuda-nvrtc-cu${CUDA_MAJOR}" 2>/dev/null \
+    || "$PY" -m pip install -q "cupy-cuda${CUDA_MAJOR}x" 2>/dev/null \
+    || log "could not install CuPy: its backend tests will be skipped"
+fi
+
 ARCH=$("$PY" -c 'import torch; m, n = torch.cuda.get_device_capability(); print(f"{m}.{n}")')
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$ARCH}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
@@ -104,9 +115,9 @@ print("native ops:", o.native_ops())') >&2
 
 # ----- tests -----------------------------------------------------------------------------------
 status=0
-log "pytest tests/test_native.py tests/test_kernels.py"
-(cd "$WORK" && HYPOTHESIS_PROFILE=ci "$PY" -m pytest -q -p no:cacheprovider \
-  tests/test_native.py tests/test_kernels.py 2>&1) | tee "$OUT_DIR/tests.log" >&2 || status=1
+log "pytest tests/test_native.py tests/test_kernels.py tests/test_cupy.py"
+(cd "$WORK" && HYPOTHESIS_PROFILE=ci "$PY" -m pytest -q -p no:cacheprovider -rs \
+  tests/test_native.py tests/test_kernels.py tests/test_cupy.py 2>&1) | tee "$OUT_DIR/tests.log" >&2 || status=1
 
 # ----- benchmark -------------------------------------------------------------------------------
 if [ -z "${SKIP_BENCH:-}" ]; then
