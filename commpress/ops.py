@@ -94,6 +94,8 @@ def backend_for(op: str, device_type: str) -> str:
     has the op for that device; otherwise the order of :data:`BACKEND_ORDER`.
     """
     preferred = _preferred[-1] if _preferred else os.environ.get("COMMPRESS_BACKEND", "")
+    if preferred and preferred not in BACKEND_NAMES:
+        raise CodecError(f"COMMPRESS_BACKEND must be one of {', '.join(BACKEND_NAMES)}, got {preferred!r}")
     order = BACKEND_ORDER.get(device_type, ("reference",))
     if preferred:
         order = (preferred, *order)

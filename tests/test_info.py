@@ -60,6 +60,9 @@ def test_every_cpu_backend_gives_identical_bytes():
     reference = run_py(code, COMMPRESS_DISABLE_NATIVE="1", COMMPRESS_BACKEND="reference").split()
     assert [native[0], numba[0], reference[0]] == ["native", "numba", "reference"]
     assert native[1] == numba[1] == reference[1]
+    bad = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "COMMPRESS_BACKEND": "fortran"})
+    assert bad.returncode != 0 and "COMMPRESS_BACKEND must be one of native, numba, cupy, reference" in bad.stderr
 
 
 def test_import_does_not_initialise_cuda():
