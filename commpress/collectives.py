@@ -59,6 +59,7 @@ import torch.distributed as dist
 
 from . import wire
 from .codecs import Codec, NoneCodec
+from .codecs.base import all_finite
 from .codecs.cast import Bf16Codec, Fp16Codec
 from .codecs.qsgd import QSGDCodec
 from .codecs.randomk import RandomKCodec
@@ -334,7 +335,7 @@ def _compress(
     feedback: ErrorFeedback | None, codec: Codec, key: str, x: torch.Tensor, seed: int
 ) -> Packet | None:
     """Encode ``x`` (through error feedback when given); None when it is not finite."""
-    if feedback is None and x.numel() and not bool(torch.isfinite(x).all()):
+    if feedback is None and not all_finite(x):
         return None
     try:
         if feedback is not None:
@@ -348,30 +349,33 @@ def _compress(
 class _Undo:
     """Residuals as they were before this buffer's encode, to restore for NaN results.
 
-    A copy is kept (fused error-feedback kernels may update a residual in place); it costs
-    one memcpy per compressed tensor and step, small next to the encode itself.
+    Fused error-feedback kernels update residuals in place, so each is saved first
+    (:meth:`ErrorFeedback.save`: a copy into a buffer reused every step).
     """
 
     def __init__(self) -> None:
-        self._saved: list[tuple[ErrorFeedback, str, torch.Tensor | None]] = []
-        self._by_slot: dict[int, list[int]] = {}
+        self._by_slot: dict[int, list[tuple[ErrorFeedback, str]]] = {}
 
     def remember(self, slot_index: int, feedback: ErrorFeedback | None, key: str) -> None:
         if feedback is not None:
-            self._by_slot.setdefault(slot_index, []).append(len(self._saved))
-            old = feedback.residual(key)
-            self._saved.append((feedback, key, None if old is None else old.clone()))
+            feedback.save(key)
+            self._by_slot.setdefault(slot_index, []).append((feedback, key))
 
     def restore(self, slot_index: int) -> None:
-        for i in self._by_slot.pop(slot_index, []):
-            feedback, key, old = self._saved[i]
-            feedback.set_residual(key, old)
+        for feedback, key in self._by_slot.pop(slot_index, []):
+            feedback.rollback(key)
 
 
-def _decode_add(codec: Codec, packet: Packet, acc: torch.Tensor) -> None:
-    """Add the decoded packet into ``acc`` (1-D, contiguous, accumulation dtype)."""
+def _decode_add(codec: Codec, packet: Packet, acc: torch.Tensor, first: bool = False) -> None:
+    """Add the decoded packet into ``acc`` (1-D, contiguous, accumulation dtype).
+
+    With ``first`` ``acc`` may hold garbage: it is overwritten with exactly what adding to
+    zeros gives (saves zero-filling accumulators that the first rank's decode covers anyway).
+    """
     if packet.dtype == acc.dtype:
-        codec.decode(packet, out=acc, accumulate=True)
+        codec.decode(packet, out=acc, accumulate=not first)
+    elif first:
+        torch.add(codec.decode(packet).to(acc.dtype), 0.0, out=acc)  # 0 + x: -0 becomes +0
     else:
         acc.add_(codec.decode(packet).to(acc.dtype))
 
@@ -491,7 +495,7 @@ def allreduce_shared_seed(
             k, scaled = s.codec.wire_params(s.numel)
             values = send[off : off + k]
             off += k
-            if k and not bool(torch.isfinite(values).all()):  # same reduced values on every rank
+            if k and not all_finite(values):  # same reduced values on every rank
                 out.fill_(float("nan"))
                 undo.restore(i)  # the step is void on every rank: so is its residual update
                 bad += 1
@@ -546,7 +550,8 @@ def allgather_compressed(
     def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
         fut.value()
         t1 = time.perf_counter()
-        acc = torch.zeros(flat.numel(), dtype=acc_dtype(buffer.dtype), device=buffer.device)
+        # rank 0's decode overwrites acc; a slot whose rank-0 packet is missing is flagged
+        acc = torch.empty(flat.numel(), dtype=acc_dtype(buffer.dtype), device=buffer.device)
         bad = [False] * len(slots)
         for j in range(n):
             frame = layout.unpack(recv[j * layout.nbytes : (j + 1) * layout.nbytes], source=j)
@@ -554,7 +559,7 @@ def allgather_compressed(
                 if p is None:
                     bad[i] = True
                 elif s.numel:
-                    _decode_add(s.codec, p, _view(acc, s))
+                    _decode_add(s.codec, p, _view(acc, s), first=j == 0)
         acc.div_(n)
         for i, (s, b) in enumerate(zip(slots, bad)):
             if b:
@@ -608,7 +613,7 @@ def twophase_compressed(
     undo = _Undo()
     for i, (s, b) in enumerate(zip(slots, bounds)):
         x = _view(flat, s)
-        if x.numel() and not bool(torch.isfinite(x).all()):
+        if not all_finite(x):
             continue  # all pieces stay None; residuals untouched
         fb = None if s.dense else s.feedback
         for j in range(n):
@@ -638,7 +643,8 @@ def twophase_compressed(
     work.wait()
     t2 = time.perf_counter()
     # Step 3: decode, average and re-encode this rank's pieces.
-    acc = torch.zeros(
+    # rank 0's decode overwrites acc; a slot whose rank-0 packet is missing is flagged
+    acc = torch.empty(
         sum(b[r][1] - b[r][0] for b in bounds), dtype=acc_dtype(buffer.dtype), device=buffer.device
     )
     acc_offsets = []
@@ -653,7 +659,7 @@ def twophase_compressed(
             if p is None:
                 bad[i] = True
             elif p.numel:
-                _decode_add(slots[i].codec, p, acc[acc_offsets[i] : acc_offsets[i] + p.numel])
+                _decode_add(slots[i].codec, p, acc[acc_offsets[i] : acc_offsets[i] + p.numel], first=j == 0)
     acc.div_(n)
     t3 = time.perf_counter()
     avg = acc.to(buffer.dtype)
@@ -668,8 +674,9 @@ def twophase_compressed(
         undo.remember(i, fb, piece_key(s.key, r))
         server.append(_compress(fb, s.codec, piece_key(s.key, r), piece, derive_seed(s.seed, PHASE_SERVER, r)))
     width = max(lay.nbytes for lay in layouts)
-    send2 = torch.zeros(width, dtype=torch.uint8, device=buffer.device)
-    mine.pack(server, out=send2[: mine.nbytes])
+    send2 = torch.empty(width, dtype=torch.uint8, device=buffer.device)
+    mine.pack(server, out=send2[: mine.nbytes])  # zeroes its part first
+    send2[mine.nbytes :].zero_()
     recv2 = torch.empty(n * width, dtype=torch.uint8, device=buffer.device)
     t4 = time.perf_counter()
     if stats is not None:

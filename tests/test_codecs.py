@@ -262,3 +262,25 @@ def test_spec_round_trip_and_errors():
     for bad, match in [("", "non-empty"), ("topk:ratio", "key=value"), ("topk:ratio=2", "ratio")]:
         with pytest.raises(CodecError, match=match):
             codecs.from_spec(bad)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_all_finite_matches_isfinite(dtype):
+    from commpress.codecs.base import all_finite
+
+    big = torch.finfo(dtype).max
+    cases = [
+        torch.zeros(0, dtype=dtype),
+        torch.randn(1000).to(dtype),
+        torch.full((64,), big, dtype=dtype),  # finite, but the sum overflows: the slow path decides
+        torch.tensor([big, -big, big], dtype=dtype),
+    ]
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        t = torch.randn(1000).to(dtype)
+        t[417] = bad
+        cases.append(t)
+    both = torch.randn(10).to(dtype)
+    both[2], both[7] = float("inf"), float("-inf")
+    cases.append(both)
+    for t in cases:
+        assert all_finite(t) == bool(torch.isfinite(t).all())

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from commpress import CodecError, ErrorFeedback, codecs
+from commpress import CodecError, ErrorFeedback, codecs, wire
 
 from strategies import CODEC_CONFIGS, make_codec
 
@@ -143,3 +143,66 @@ def test_set_residual_replaces_and_forgets():
         ef.set_residual("w", torch.zeros(3, dtype=torch.int32))
     ef.set_residual("w", None)
     assert ef.residual("w") is None
+
+
+@pytest.mark.parametrize("spec", ["topk:ratio=0.1", "randomk:ratio=0.1", "randomk:ratio=0.1,scaled=False"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_sparse_residual_update_equals_the_dense_one(spec, dtype):
+    # the error-feedback update of sparse codecs subtracts only what was sent: same bits as
+    # subtracting the dense decoded tensor, signed zeros included
+    codec = codecs.from_spec(spec)
+    rdt = torch.float64 if dtype == torch.float64 else torch.float32
+    bits = torch.int64 if rdt == torch.float64 else torch.int32
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(1)).to(dtype)
+    x[:4] = torch.tensor([0.0, -0.0, 0.0, -0.0])
+    packet = codec.encode(x, seed=3)
+    c = x.to(rdt) + torch.randn(1000, generator=torch.Generator().manual_seed(2), dtype=rdt) * 1e-3
+    c[:4] = torch.tensor([0.0, -0.0, -0.0, 0.0], dtype=rdt)
+    want = c.clone().sub_(codec.decode(packet).to(rdt))
+    got = c.clone()
+    codec._subtract_decoded(packet, got)
+    assert torch.equal(got.view(bits), want.view(bits))
+
+
+def test_save_and_rollback_restore_the_residual_without_reallocating():
+    ef = ErrorFeedback(codecs.get("sign"))
+    with pytest.raises(CodecError, match="without a save"):
+        ef.rollback("w")
+    ef.save("w")  # no residual yet: rolling back forgets the one the step created
+    ef.set_residual("w", torch.ones(8))
+    ef.rollback("w")
+    assert ef.residual("w") is None
+    ef.set_residual("w", torch.arange(8.0))
+    ef.save("w")
+    ef.residual("w").mul_(-1)  # a fused kernel updates in place
+    ef.rollback("w")
+    assert torch.equal(ef.residual("w"), torch.arange(8.0))
+    buffers = {ef.residual("w").data_ptr(), ef._spare["w"].data_ptr()}
+    for _ in range(3):  # the two buffers take turns: no new allocation
+        ef.save("w")
+        ef.residual("w").add_(1)
+        ef.rollback("w")
+        assert {ef.residual("w").data_ptr(), ef._spare["w"].data_ptr()} == buffers
+    assert torch.equal(ef.residual("w"), torch.arange(8.0))
+
+
+@pytest.mark.parametrize("spec", ["topk:ratio=0.1", "sign", "randomk:ratio=0.2,scaled=False"])
+def test_save_rollback_and_buffer_reuse_keep_the_residuals_exact(spec):
+    # the same steps with and without save()/rollback() around them: identical residuals, and
+    # a rolled-back step leaves exactly the residual from before it
+    plain = ErrorFeedback(codecs.from_spec(spec))
+    saving = ErrorFeedback(codecs.from_spec(spec))
+    g = torch.Generator().manual_seed(5)
+    for step in range(8):
+        grad = torch.randn(300, generator=g)
+        before = None if saving.residual("w") is None else saving.residual("w").clone()
+        saving.save("w")
+        packet = saving.compress("w", grad, seed=step)
+        if step % 3 == 2:  # void this step
+            saving.rollback("w")
+            got = saving.residual("w")
+            assert (got is None and before is None) or torch.equal(got, before)
+            continue
+        want = plain.compress("w", grad, seed=step)
+        assert torch.equal(wire.to_bytes(packet), wire.to_bytes(want))
+        assert torch.equal(saving.residual("w"), plain.residual("w"))

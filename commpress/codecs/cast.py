@@ -14,7 +14,7 @@ import torch
 
 from ..errors import CodecError
 from ..packet import Packet, Section
-from .base import Codec, check_finite_section, require_finite
+from .base import Codec, all_finite, check_finite_section, require_finite
 
 
 class _CastCodec(Codec):
@@ -33,7 +33,7 @@ class _CastCodec(Codec):
     def _encode(self, flat: torch.Tensor, params: tuple[int, int], seed: int) -> dict[str, torch.Tensor]:
         require_finite(flat)
         values = flat.to(self.wire_dtype, copy=True)
-        if values.numel() and not bool(torch.isfinite(values).all()):
+        if not all_finite(values):
             raise CodecError(
                 f"x has values beyond {self.name}'s range (max {torch.finfo(self.wire_dtype).max}); "
                 f"{self.overflow_hint}"

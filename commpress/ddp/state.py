@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from .. import codecs
 from ..codecs import Bf16Codec, Codec, Fp16Codec, NoneCodec
+from ..codecs.base import all_finite
 from ..collectives import CommStats, all_gather_single, check_algorithm, derive_seed
 from ..errors import CodecError
 from ..feedback import ErrorFeedback, residual_dtype
@@ -227,7 +228,7 @@ class CompressionState:
         m = self.momentum
         for p, off in zip(plan.params, plan.offsets):
             g = buffer[off : off + p.numel]
-            if p.numel and not bool(torch.isfinite(g).all()):
+            if not all_finite(g):
                 continue
             u = self.velocity.get(p.name)
             if u is None:

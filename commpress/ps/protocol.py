@@ -43,6 +43,7 @@ import torch
 
 from .. import wire
 from ..codecs import Codec
+from ..codecs.base import all_finite
 from ..errors import CodecError, WireError
 from ..packet import Packet
 from .errors import ProtocolError
@@ -251,7 +252,7 @@ def decode_segments(
     """
     for seg, packet in zip(shard.segments, packets):
         codec_for(seg).decode(packet, out[shard.local(seg)])
-    if out.numel() and not bool(torch.isfinite(out).all()):
+    if not all_finite(out):
         raise ProtocolError("payload decodes to non-finite values", sender)
     return out
 

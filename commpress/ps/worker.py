@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from ..codecs import Codec
+from ..codecs.base import all_finite
 from ..feedback import ErrorFeedback
 from . import faults as faults_mod
 from .config import PSConfig
@@ -126,7 +127,7 @@ class WorkerNode:
         memory is left untouched (see :mod:`commpress.feedback`).
         """
         out = []
-        finite = bool(torch.isfinite(grad).all())
+        finite = all_finite(grad)
         if not finite:
             self.skipped_steps += 1
             print(f"[commpress.ps worker {self.worker}] non-finite gradient at step {step}: push skipped",
