@@ -35,6 +35,7 @@ _BY_ID = {cls.codec_id: cls for cls in _CLASSES}
 __all__ = [
     "Bf16Codec", "Codec", "Fp16Codec", "NoneCodec", "QSGDCodec", "RandomKCodec", "SignCodec",
     "TopKCodec", "available", "codec_class", "codec_class_by_id", "from_config", "from_spec", "get",
+    "parse_params",
     "to_spec",
 ]
 
@@ -88,17 +89,23 @@ def _spec_value(text: str) -> Any:
     return text
 
 
+def parse_params(text: str, what: str = "spec") -> dict[str, Any]:
+    """Parse ``key=value,...`` into a dict; values become bool, None, int or float when they read so."""
+    params: dict[str, Any] = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, eq, val = item.partition("=")
+        if not eq or not key.strip():
+            raise CodecError(f"{what}: expected key=value, got {item!r}")
+        params[key.strip()] = _spec_value(val.strip())
+    return params
+
+
 def from_spec(spec: str) -> Codec:
     """Build a codec from ``name[:key=value,...]``, e.g. ``topk:ratio=0.01`` or ``qsgd:bits=8``."""
     if not isinstance(spec, str) or not spec.strip():
         raise CodecError(f"codec spec must be a non-empty string, got {spec!r}")
     name, _, rest = spec.strip().partition(":")
-    params: dict[str, Any] = {}
-    for item in filter(None, (s.strip() for s in rest.split(","))):
-        key, eq, val = item.partition("=")
-        if not eq or not key:
-            raise CodecError(f"codec spec {spec!r}: expected key=value, got {item!r}")
-        params[key.strip()] = _spec_value(val.strip())
+    params = parse_params(rest, f"codec spec {spec!r}")
     try:
         return get(name, **params)
     except CodecError as exc:

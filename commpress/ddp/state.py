@@ -14,7 +14,15 @@ import torch.distributed as dist
 from .. import codecs
 from ..codecs import Bf16Codec, Codec, Fp16Codec, NoneCodec
 from ..codecs.base import all_finite
-from ..collectives import CommStats, all_gather_single, check_algorithm, derive_seed
+from ..collectives import (
+    CommStats,
+    all_gather_single,
+    block_alignment,
+    check_algorithm,
+    derive_seed,
+    piece_bounds,
+    piece_key,
+)
 from ..errors import CodecError
 from ..feedback import ErrorFeedback, residual_dtype
 from .planning import (
@@ -244,9 +252,21 @@ class CompressionState:
             return
         for p in plan.params:
             u = self.velocity.get(p.name)
-            e = self.residual(p.name) if p.compressed else None
-            if u is not None and e is not None:
-                u.masked_fill_(e.reshape(-1) == 0, 0.0)
+            if u is None or not p.compressed:
+                continue
+            for lo, hi, e in self._residual_pieces(p):
+                u[lo:hi].masked_fill_(e.reshape(-1) == 0, 0.0)  # piece by piece: no concatenated copy
+
+    def _residual_pieces(self, plan: ParamPlan) -> list[tuple[int, int, torch.Tensor]]:
+        """``(start, stop, residual)`` of each piece of a parameter's flat residual."""
+        if self.feedback is None:
+            return []
+        if self.algorithm != "twophase":
+            e = self.feedback.residual(plan.name)
+            return [] if e is None else [(0, plan.numel, e)]
+        bounds = piece_bounds(plan.numel, self.world_size, block_alignment(self.codec))
+        parts = [self.feedback.residual(piece_key(plan.name, j)) for j in range(self.world_size)]
+        return [(lo, hi, e) for (lo, hi), e in zip(bounds, parts) if e is not None]
 
     def param_seed(self, plan: ParamPlan) -> int:
         """Seed shared by all ranks for ``plan``'s parameter at the current step."""

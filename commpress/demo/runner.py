@@ -10,7 +10,9 @@ Rank 0 writes everything to ``--out``.
 
 Methods: ``allreduce`` (DDP, no hook), ``fp16`` (PyTorch's fp16_compress_hook),
 ``powersgd`` (PyTorch's PowerSGD, rank 4, one bucket: on gloo it needs a single bucket),
-and ``cp-<codec>[:k=v,...]`` for commpress (e.g. ``cp-topk:ratio=0.01``).
+and ``cp-<codec>[:k=v,...][@option=value,...]`` for commpress (e.g. ``cp-topk:ratio=0.01``;
+after ``@``, options of :func:`commpress.ddp.register`, e.g.
+``cp-sign:block_size=256@momentum_masking=true,warmup_steps=50``).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from .. import ddp as commpress_ddp
-from ..codecs import from_spec
+from ..codecs import from_spec, parse_params
 from .workloads import ByteLM, TextBatches, digits, lm_loss, wide_mlp
 
 MOMENTUM = 0.9
@@ -123,7 +125,9 @@ def run_method(method: str, work: Workload, steps: int, warmup: int, eval_every:
         claimed = 4 * powersgd_floats(module, 4)
     elif name.startswith("cp-"):
         # DGC momentum correction: the hook keeps the velocity, the optimizer has none
-        state = commpress_ddp.register(ddp, from_spec(method[3:]), momentum=MOMENTUM)
+        spec, _, options = method[3:].partition("@")
+        hook_options = {"momentum": MOMENTUM, **parse_params(options, f"method {method!r}")}
+        state = commpress_ddp.register(ddp, from_spec(spec), **hook_options)
         opt_momentum = 0.0
         claimed = 0
     else:
