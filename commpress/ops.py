@@ -35,18 +35,7 @@ from .backends.checks import KernelArgumentError
 from .bitpack import check_bits, pack_bits_reference, packed_nbytes, unpack_bits_reference
 from .errors import CodecError
 
-_OPS = (
-    "pack_bits",
-    "unpack_bits",
-    "sign_encode",
-    "sign_decode",
-    "qsgd_encode",
-    "qsgd_decode",
-    "topk_select",
-    "sparse_scatter_add",
-    "randomk_gather",
-    "randomk_scatter_add",
-)
+_OPS = backends.OP_NAMES
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _R = TypeVar("_R")
 

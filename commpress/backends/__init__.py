@@ -13,6 +13,21 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+#: Every commpress kernel op (the schemas of ``csrc/registration.cpp``); each Python backend
+#: lists the ones it implements in its ``OPS``.
+OP_NAMES = (
+    "pack_bits",
+    "unpack_bits",
+    "sign_encode",
+    "sign_decode",
+    "qsgd_encode",
+    "qsgd_decode",
+    "topk_select",
+    "sparse_scatter_add",
+    "randomk_gather",
+    "randomk_scatter_add",
+)
+
 #: backend name -> (module, device type it serves)
 PYTHON_BACKENDS = {
     "numba": ("commpress.backends.numba_cpu", "cpu"),
