@@ -104,8 +104,9 @@ class ErrorFeedback:
 
         For callers that learn only after encoding that a step is void (another rank's NaN).
         Fused codecs (sign, qsgd) update the residual in place, so it is copied into a buffer
-        kept for the key and reused every step (no allocation, no page faults: about 10x
-        cheaper than ``clone()`` for multi-MB residuals). The others replace the residual with
+        kept for the key and reused every step: no allocation and no page faults (``clone()``
+        of every residual cost 33 ms per step at 17M parameters in the e2e benchmark). The
+        others replace the residual with
         a new tensor, so the old one is simply kept until the next save, and its buffer then
         holds the following residual.
         """
