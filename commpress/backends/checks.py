@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
+from .. import rng
 from ..errors import CodecError
 
 # torch dtype -> the name c10 prints (the native messages use these)
@@ -42,6 +44,29 @@ def c10_name(dtype: torch.dtype) -> str:
 def fail(op: str, message: str) -> KernelArgumentError:
     """The error to raise: ``"<op>: <message>"``."""
     return KernelArgumentError(f"{op}: {message}")
+
+
+def non_finite(op: str, has_residual: bool) -> KernelArgumentError:
+    """The error for NaN/Inf in the values an encode was given (nothing was written)."""
+    source = "x + residual" if has_residual else "x"
+    return fail(op, f"{source} contains NaN or Inf (non-finite input; nothing was written)")
+
+
+def norm_above_range(op: str, norms: torch.Tensor, limit: float, dtype: torch.dtype) -> KernelArgumentError:
+    """The error for a QSGD bucket norm above ``limit``, the largest value of ``dtype``."""
+    first = float(norms[norms > limit][0])
+    return fail(
+        op,
+        f"a bucket norm {first:g} exceeds {c10_name(dtype)}'s range; use a smaller bucket_size (nothing was written)",
+    )
+
+
+def rng_key(seed: int, stream: int) -> np.uint64:
+    """The RNG key of ``(seed, stream)``, ``seed`` as the native schema passes it.
+
+    The schema's int is int64, so a uint64 seed arrives as its bit pattern.
+    """
+    return np.uint64(rng.key(seed & rng.SEED_MASK, stream))
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -44,7 +44,7 @@ import torch
 
 from .. import rng
 from . import OP_NAMES, checks
-from .checks import KernelArgumentError, c10_name, compute_dtype, fail
+from .checks import c10_name, compute_dtype, fail
 
 DEVICE = "cuda"
 OPS = frozenset(OP_NAMES)  # all of them
@@ -373,16 +373,6 @@ def _read_flags(flags: torch.Tensor) -> int:
     return int(flags.item())  # synchronises the stream, like the binding's read_flags
 
 
-def _non_finite(op: str, has_e: bool) -> KernelArgumentError:
-    source = "x + residual" if has_e else "x"
-    return fail(op, f"{source} contains NaN or Inf (non-finite input; nothing was written)")
-
-
-def _rng_key(seed: int, stream: int) -> np.uint64:
-    # ``seed`` may be the int64 bit pattern of a uint64 seed (the native schema's form)
-    return np.uint64(rng.key(seed & rng.SEED_MASK, stream))
-
-
 # ----- bit packing --------------------------------------------------------------------------------
 def pack_bits(fields: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack ``bits``-wide fields LSB-first (specification: :mod:`commpress.bitpack`)."""
@@ -474,7 +464,7 @@ def sign_encode(
     )
     f = _read_flags(flags)
     if f & _FLAG_NON_FINITE:
-        raise _non_finite(op, residual is not None)
+        raise checks.non_finite(op, residual is not None)
     if f & _FLAG_OVERFLOW:
         raise fail(
             op,
@@ -565,24 +555,20 @@ def qsgd_encode(
         _ptr(norms),
         struct,
         np.int32(levels),
-        _rng_key(seed, rng.STREAM_QSGD),
+        checks.rng_key(seed, rng.STREAM_QSGD),
         _ptr(packed),
         _ptr(flags),
     )
     f = _read_flags(flags)
     if f & _FLAG_NON_FINITE:
-        raise _non_finite(op, residual is not None)
+        raise checks.non_finite(op, residual is not None)
     if f & _FLAG_OVERFLOW:
         raise fail(
             op,
             f"a bucket norm overflows {c10_name(ct)} (NaN or Inf norm; nothing was written)",
         )
     if f & _FLAG_TOO_BIG:
-        big = float(norms[norms > limit][0])
-        raise fail(
-            op,
-            f"a bucket norm {big:g} exceeds {c10_name(x.dtype)}'s range; use a smaller bucket_size (nothing was written)",
-        )
+        raise checks.norm_above_range(op, norms, limit, x.dtype)
     return norms, packed
 
 
@@ -795,7 +781,7 @@ def randomk_gather(x: torch.Tensor, k: int, seed: int, scaled: bool) -> torch.Te
         _ptr(x),
         np.int64(n),
         np.int64(k),
-        _rng_key(seed, rng.STREAM_RANDOMK),
+        checks.rng_key(seed, rng.STREAM_RANDOMK),
         np.bool_(scaled),
         _ptr(values),
         _ptr(flags),
@@ -824,6 +810,6 @@ def randomk_scatter_add(values: torch.Tensor, seed: int, out: torch.Tensor) -> N
         _ptr(values),
         np.int64(k),
         np.int64(out.numel()),
-        _rng_key(seed, rng.STREAM_RANDOMK),
+        checks.rng_key(seed, rng.STREAM_RANDOMK),
         _ptr(out),
     )

@@ -72,11 +72,6 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().numpy()
 
 
-def _rng_key(seed: int, stream: int) -> np.uint64:
-    # ``seed`` may be the int64 bit pattern of a uint64 seed (the native schema's form)
-    return rng.key(seed & rng.SEED_MASK, stream)
-
-
 def _finish_write(out: torch.Tensor, work: torch.Tensor) -> None:
     """Copy the float32 working copy of a float16/bfloat16 ``out`` back (exact: values fit)."""
     if work is not out:
@@ -111,8 +106,7 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
 # ----- sign --------------------------------------------------------------------------------------
 def _raise_encode_status(op: str, status: int, has_e: bool, what: str, dtype: torch.dtype) -> None:
     if status == _NON_FINITE:
-        source = "x + residual" if has_e else "x"
-        raise fail(op, f"{source} contains NaN or Inf (non-finite input; nothing was written)")
+        raise checks.non_finite(op, has_e)
     if status == _OVERFLOW:
         raise fail(
             op,
@@ -190,18 +184,14 @@ def qsgd_encode(
         bits,
         level_count,
         bucket_size,
-        _rng_key(seed, rng.STREAM_QSGD),
+        checks.rng_key(seed, rng.STREAM_QSGD),
         limit,
         _np(norms),
         _np(packed),
     )
     _raise_encode_status("qsgd_encode", status, residual is not None, "a bucket norm", x.dtype)
     if status == _ABOVE_LIMIT:
-        first = float(norms[norms > limit][0])
-        raise fail(
-            "qsgd_encode",
-            f"a bucket norm {first:g} exceeds {c10_name(x.dtype)}'s range; use a smaller bucket_size (nothing was written)",
-        )
+        raise checks.norm_above_range("qsgd_encode", norms, limit, x.dtype)
     return norms, packed
 
 
@@ -278,7 +268,7 @@ def randomk_gather(x: torch.Tensor, k: int, seed: int, scaled: bool) -> torch.Te
     status = _kernels().randomk_gather(
         _np(xc),
         k,
-        _rng_key(seed, rng.STREAM_RANDOMK),
+        checks.rng_key(seed, rng.STREAM_RANDOMK),
         bool(scaled),
         _MODE[x.dtype],
         xc.dtype == torch.float64,
@@ -301,7 +291,7 @@ def randomk_scatter_add(values: torch.Tensor, seed: int, out: torch.Tensor) -> N
         return
     work = _as_compute(out)
     _kernels().randomk_scatter_add(
-        _np(_as_compute(values)), _rng_key(seed, rng.STREAM_RANDOMK), _np(work), _MODE[out.dtype]
+        _np(_as_compute(values)), checks.rng_key(seed, rng.STREAM_RANDOMK), _np(work), _MODE[out.dtype]
     )
     _finish_write(out, work)
 
