@@ -304,14 +304,14 @@ class CompressionState:
     def residual(self, name: str) -> torch.Tensor | None:
         """The worker-side residual of parameter ``name`` (None before its first step)."""
         plan = self.plans.get(name)
-        if self.feedback is None or plan is None or not plan.compressed:
+        if plan is None or not plan.compressed:
             return None
+        pieces = self._residual_pieces(plan)
         if self.algorithm != "twophase":
-            return self.feedback.residual(name)
-        parts = [self.feedback.residual(f"{name}#{j}") for j in range(self.world_size)]
-        if any(p is None for p in parts):
+            return pieces[0][2] if pieces else None
+        if len(pieces) != self.world_size:
             return None
-        return torch.cat([p for p in parts if p is not None]).view(plan.shape)
+        return torch.cat([e for _, _, e in pieces]).view(plan.shape)
 
     # ----- checkpointing -------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
