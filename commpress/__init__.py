@@ -15,7 +15,7 @@ from . import codecs, feedback, wire
 from .errors import CodecError, WireError
 from .feedback import ErrorFeedback
 from .info import info
-from .packet import Packet
+from .wire.packet import Packet
 
 __version__ = "0.1.0"
 __all__ = [

@@ -5,7 +5,7 @@
 
 For every size and thread count it times, on the same float32 input and on every backend that
 runs here for the device (``native``: the C++/CUDA extension; ``numba`` on the CPU and ``cupy``
-on CUDA: the Python backends of :mod:`commpress.backends`, single-threaded for numba):
+on CUDA: the Python backends of :mod:`commpress.kernels.backends`, single-threaded for numba):
 
 * ``copy_`` of the tensor: the bandwidth ceiling (GB/s = bytes read + bytes written);
 * every native op (fused error feedback + sign encode, sign decode-accumulate, fused error
@@ -39,11 +39,11 @@ from typing import Any
 import torch
 from torch.utils.benchmark import Timer
 
-from . import backends, ops
 from .codecs import qsgd as qsgd_ref
 from .codecs import randomk as randomk_ref
 from .codecs import sign as sign_ref
 from .codecs import topk as topk_ref
+from .kernels import backends, ops
 
 SIZES = {"1M": 1 << 20, "16M": 1 << 24, "64M": 1 << 26}
 BUCKET = 512  # QSGD bucket size

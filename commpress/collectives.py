@@ -66,7 +66,7 @@ from .codecs.randomk import RandomKCodec
 from .codecs.sign import SignCodec
 from .errors import CodecError, WireError
 from .feedback import ErrorFeedback
-from .packet import Packet
+from .wire.packet import Packet
 
 logger = logging.getLogger("commpress")
 

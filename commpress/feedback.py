@@ -30,17 +30,17 @@ import torch
 
 from .codecs import Codec, from_config
 from .codecs.base import check_dtype
+from .dtypes import accumulate_dtype
 from .errors import CodecError
-from .packet import Packet
+from .wire.packet import Packet
 
 logger = logging.getLogger("commpress")
 
 STATE_FORMAT = 1
 
 
-def residual_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Dtype residuals are kept in: float64 for float64 gradients, float32 otherwise."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+#: Dtype residuals are kept in: float64 for float64 gradients, float32 otherwise.
+residual_dtype = accumulate_dtype
 
 
 class ErrorFeedback:

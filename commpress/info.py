@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from . import ops
 from .codecs import available
+from .kernels import ops
 
 
 def _has_module(name: str) -> bool:
@@ -17,8 +17,8 @@ def _has_module(name: str) -> bool:
 
 
 def _cuda_sources_present() -> bool:
-    # the CuPy backend compiles csrc/cuda at run time (commpress/backends/cupy_cuda.py)
-    from .backends.cupy_cuda import CSRC, UNITS
+    # the CuPy backend compiles csrc/cuda at run time (commpress/kernels/cupy_cuda.py)
+    from .kernels.cupy_cuda import CSRC, UNITS
 
     return all((CSRC / "cuda" / f"{unit}.cu").is_file() for unit in UNITS)
 

@@ -14,8 +14,8 @@ from collections.abc import Callable
 import torch
 from torch.utils.benchmark import Timer
 
-from commpress import ops
 from commpress.bitpack import pack_bits_reference, packed_nbytes, unpack_bits_reference
+from commpress.kernels import ops
 
 
 def median_seconds(fn: Callable[[], object], min_run_time: float) -> float:

@@ -107,7 +107,7 @@ start=$(date +%s)
 }
 log "built in $(( $(date +%s) - start )) s"
 export PYTHONPATH="$WORK${PYTHONPATH:+:$PYTHONPATH}"
-(cd "$WORK" && "$PY" -c 'import commpress.ops as o, torch
+(cd "$WORK" && "$PY" -c 'import commpress.kernels.ops as o, torch
 assert o.load_native() is None, o.load_native()
 missing = [op for op, devs in o.native_ops().items() if "cuda" not in devs]
 assert not missing, f"no CUDA kernel for {missing}"

@@ -1,8 +1,8 @@
 """The kernel backends the kernel tests run on, and the ``backend`` fixture's value.
 
 Backends: ``cpu:<isa>`` (the native CPU kernels, once per instruction-set variant this CPU
-runs), ``numba`` (commpress.backends.numba_cpu), ``cuda`` (the native CUDA kernels) and
-``cupy`` (commpress.backends.cupy_cuda). A backend that cannot run here is a skipped param
+runs), ``numba`` (commpress.kernels.numba_cpu), ``cuda`` (the native CUDA kernels) and
+``cupy`` (commpress.kernels.cupy_cuda). A backend that cannot run here is a skipped param
 whose reason says why. The fixture (in conftest.py) yields a :class:`Backend`: the device
 string, so ``tensor.to(backend)`` works, carrying the backend's ops with the native schemas'
 arguments (``torch.ops.commpress`` or the Python backend module).
@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from commpress import backends, ops
+from commpress.kernels import backends, ops
 
 NATIVE_REASON = ops.load_native()
 

@@ -1,4 +1,4 @@
-"""The CuPy CUDA backend (commpress/backends/cupy_cuda.py).
+"""The CuPy CUDA backend (commpress/kernels/cupy_cuda.py).
 
 Without a GPU (any machine with CuPy's NVRTC): the exact sources, options and name expressions
 the backend uses compile for sm_80/sm_90 and every kernel it launches is in the result; every
@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 import torch
 
-from commpress import bitpack, ops
-from commpress.backends import cupy_cuda
+from commpress import bitpack
 from commpress.codecs import qsgd as qsgd_mod
 from commpress.codecs import randomk as randomk_mod
 from commpress.codecs import sign as sign_mod
 from commpress.codecs import topk as topk_mod
+from commpress.kernels import cupy_cuda, ops
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 ARCHS = ["compute_80", "compute_90"]
@@ -90,7 +90,7 @@ def test_module_source_is_the_nvcc_source() -> None:
 
 def test_import_does_not_load_cupy_or_cuda() -> None:
     code = (
-        "import sys, commpress, commpress.ops, commpress.backends.cupy_cuda\n"
+        "import sys, commpress, commpress.kernels.ops, commpress.kernels.cupy_cuda\n"
         "assert 'cupy' not in sys.modules, 'cupy imported'\n"
         "import torch; assert not torch.cuda.is_initialized()\n"
     )

@@ -19,7 +19,7 @@ def test_info_reports_backends_and_codecs():
     report = commpress.info()
     assert report["backends"]["reference"] is True
     assert report["codecs"] == ["none", "fp16", "bf16", "topk", "randomk", "sign", "qsgd"]
-    assert set(report["native"]["ops"]) == set(commpress.ops._OPS) >= {"pack_bits", "unpack_bits", "sign_encode"}
+    assert set(report["native"]["ops"]) == set(commpress.kernels.ops._OPS) >= {"pack_bits", "unpack_bits", "sign_encode"}
     assert not torch.cuda.is_initialized()
 
 
@@ -50,7 +50,7 @@ def test_pure_python_mode_works_end_to_end():
 
 def test_every_cpu_backend_gives_identical_bytes():
     code = (
-        "import torch\nfrom commpress import codecs, ops, wire\n"
+        "import torch\nfrom commpress import codecs, wire\nfrom commpress.kernels import ops\n"
         "x = torch.randn(3001, generator=torch.Generator().manual_seed(0))\n"
         "print(ops.backend_for('qsgd_encode', 'cpu'))\n"
         "print(''.join(wire.to_bytes(codecs.from_spec(n).encode(x, seed=4)).numpy().tobytes().hex() for n in ('sign', 'qsgd', 'topk:ratio=0.01', 'randomk:ratio=0.01')))\n"

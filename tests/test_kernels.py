@@ -13,12 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from commpress import CodecError, ErrorFeedback, codecs, ops, wire
+from commpress import CodecError, ErrorFeedback, codecs, wire
 from commpress.codecs import qsgd as qsgd_mod
 from commpress.codecs import randomk as randomk_mod
 from commpress.codecs import sign as sign_mod
 from commpress.codecs import topk as topk_mod
 from commpress.codecs.base import Codec, NonFiniteError, tree_sum
+from commpress.kernels import ops
 
 import kernel_backends
 

@@ -17,7 +17,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from commpress import ops
 from commpress.bitpack import (
     SUPPORTED_BITS,
     pack_bits_reference,
@@ -25,6 +24,7 @@ from commpress.bitpack import (
     unpack_bits_reference,
 )
 from commpress.errors import CodecError
+from commpress.kernels import ops
 
 import kernel_backends
 
@@ -341,7 +341,7 @@ def test_cuda_bindings_compile_against_torch_headers(tmp_path: Path) -> None:
 
 def test_disabled_native_falls_back_to_numba() -> None:
     code = (
-        "import torch, commpress.ops as o\n"
+        "import torch, commpress.kernels.ops as o\n"
         "x = torch.tensor([1, 0, 1, 1, 0, 0, 0, 1, 1], dtype=torch.uint8)\n"
         "p = o.pack_bits(x, 1)\n"
         "assert torch.equal(o.unpack_bits(p, 1, 9), x)\n"

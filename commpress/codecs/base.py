@@ -15,9 +15,9 @@ import numpy as np
 import torch
 
 from .. import rng, wire
-from ..errors import CodecError, WireError
-from ..ops import NonFiniteError
-from ..packet import FLOAT_DTYPE_CODES, Packet, Section
+from ..dtypes import accumulate_dtype, index_dtype
+from ..errors import CodecError, NonFiniteError, WireError
+from ..wire.packet import FLOAT_DTYPE_CODES, Packet, Section
 
 __all__ = [
     "SUM_CHUNK", "Codec", "NonFiniteError", "all_finite", "check_dtype", "check_finite_section", "check_ratio_k",
@@ -29,19 +29,8 @@ __all__ = [
 SUM_CHUNK = 32
 
 
-def index_dtype(numel: int) -> torch.dtype:
-    """Dtype of index sections: int32 while every index fits, else int64."""
-    return torch.int32 if numel <= (1 << 31) - 1 else torch.int64
-
-
-def scale_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Dtype of per-block scales/norms: float64 for float64 input, float32 otherwise."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Arithmetic dtype of the codecs' math: float64 for float64 input, float32 otherwise."""
-    return scale_dtype(dtype)
+#: Dtype of per-block scales/norms, and of the codecs' arithmetic (one rule: :mod:`commpress.dtypes`).
+scale_dtype = compute_dtype = accumulate_dtype
 
 
 def all_finite(x: torch.Tensor) -> bool:

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..errors import CodecError
-from ..packet import Packet, Section
+from ..wire.packet import Packet, Section
 from .base import Codec, all_finite, check_finite_section, require_finite
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from ..packet import Packet, Section
+from ..wire.packet import Packet, Section
 from .base import Codec, check_finite_section, require_finite
 
 

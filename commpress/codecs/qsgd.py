@@ -15,7 +15,7 @@ arithmetic in float32 (float64 for float64 input). ``q_i + s`` is bit-packed in 
 fields, so ``s <= 2**(bits-1) - 1``: 1 level at 2 bits, 7 at 4 bits, 127 at 8 bits.
 
 Kernels: :func:`encode_reference` / :func:`decode_reference` below are the specification;
-``commpress.ops.qsgd_encode`` / ``qsgd_decode`` run the native CPU/CUDA kernels when built,
+``commpress.kernels.ops.qsgd_encode`` / ``qsgd_decode`` run the native CPU/CUDA kernels when built,
 bit-identical to them (same seed, same bytes on every backend).
 :meth:`QSGDCodec.encode_with_feedback` fuses error feedback into the encode.
 
@@ -36,10 +36,11 @@ from typing import Any
 
 import torch
 
-from .. import ops, rng, varlen
+from .. import rng, varlen
 from ..bitpack import pack_bits_reference, packed_nbytes, padding_is_zero, unpack_bits_reference
 from ..errors import CodecError, WireError
-from ..packet import Packet, Section
+from ..kernels import ops
+from ..wire.packet import Packet, Section
 from .base import (
     Codec,
     NonFiniteError,

@@ -15,7 +15,7 @@ decoder regenerates them instead of reading them off the wire.
 Wire: ``values`` (k x input dtype); ``param0 = k``, ``param1 = scaled``; the seed is in the header.
 
 Kernels: :func:`gather_reference` / :func:`scatter_add_reference` are the specification;
-``commpress.ops.randomk_gather`` / ``randomk_scatter_add`` run native kernels that regenerate
+``commpress.kernels.ops.randomk_gather`` / ``randomk_scatter_add`` run native kernels that regenerate
 each index from the seed in place (no index tensor is built), bit-identical to them.
 """
 
@@ -25,9 +25,10 @@ from typing import Any
 
 import torch
 
-from .. import ops, rng
+from .. import rng
 from ..errors import CodecError, WireError
-from ..packet import Packet, Section
+from ..kernels import ops
+from ..wire.packet import Packet, Section
 from .base import Codec, check_finite_section, check_ratio_k, ratio_to_k, require_finite
 
 

@@ -7,7 +7,7 @@ float32, or float64 for float64 input). ``block_size=0`` means one block for the
 Decoding adds ``+-scale`` (in float32, or float64) rounded to the output dtype.
 
 Kernels: :func:`encode_reference` / :func:`decode_reference` below are the specification;
-``commpress.ops.sign_encode`` / ``sign_decode`` run the native CPU/CUDA kernels when built,
+``commpress.kernels.ops.sign_encode`` / ``sign_decode`` run the native CPU/CUDA kernels when built,
 bit-identical to them. :meth:`SignCodec.encode_with_feedback` fuses error feedback into the
 encode (one kernel reads g and e, writes the bits, the scales and the new e).
 
@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
-from .. import ops
 from ..bitpack import pack_bits_reference, packed_nbytes, padding_is_zero, unpack_bits_reference
 from ..errors import CodecError, WireError
-from ..packet import Packet, Section
+from ..kernels import ops
+from ..wire.packet import Packet, Section
 from .base import (
     Codec,
     NonFiniteError,

@@ -7,9 +7,9 @@ the k-th largest are broken toward the lower index, so the selection is a pure f
 input, identical on every backend.
 
 Kernels: :func:`select_reference` (``torch.topk`` for the k-th magnitude, then the tie rule)
-and :func:`scatter_add_reference` are the specification; ``commpress.ops.topk_select`` runs the
+and :func:`scatter_add_reference` are the specification; ``commpress.kernels.ops.topk_select`` runs the
 native sampled-threshold selection (CPU) or radix selection (CUDA), exact and bit-identical, and
-``commpress.ops.sparse_scatter_add`` adds many (indices, values) payloads into one dense output
+``commpress.kernels.ops.sparse_scatter_add`` adds many (indices, values) payloads into one dense output
 (the gather side of a sparse collective), bounds- and duplicate-checked.
 Wire: ``indices`` (int32, or int64 past 2**31 - 1 elements) then ``values`` (input dtype);
 ``param0 = k``. Cost: k * (4 + itemsize) bytes plus the 56-byte header.
@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from .. import ops
 from ..errors import CodecError, WireError
-from ..packet import Packet, Section
+from ..kernels import ops
+from ..wire.packet import Packet, Section
 from .base import (
     Codec,
     check_finite_section,

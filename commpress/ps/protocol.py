@@ -45,7 +45,7 @@ from .. import wire
 from ..codecs import Codec
 from ..codecs.base import all_finite
 from ..errors import CodecError, WireError
-from ..packet import Packet
+from ..wire.packet import Packet
 from .errors import ProtocolError
 from .sharding import Segment, Shard
 

@@ -40,11 +40,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .errors import CodecError, WireError
+from ..errors import CodecError, WireError
 from .packet import FLOAT_DTYPE_CODES, Packet, Section
 
 if TYPE_CHECKING:
-    from .codecs.base import Codec
+    from ..codecs.base import Codec
 
 MAGIC = b"CPRS"
 VERSION = 1
@@ -75,7 +75,7 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 def to_bytes(packet: Packet) -> torch.Tensor:
     """Serialise ``packet`` into one flat uint8 tensor on the packet's device."""
-    from .codecs import codec_class  # late import: the codecs import this module
+    from ..codecs import codec_class  # late import: the codecs import this module
 
     cls = codec_class(packet.codec)
     layout = cls.layout(packet.numel, packet.dtype, packet.params)
@@ -138,7 +138,7 @@ def _parse_head(data: torch.Tensor) -> tuple[type[Codec], torch.dtype, int, int,
     Returns ``(codec class, dtype, numel, seed, params, layout)`` with the layout's variable
     sections set to their declared lengths. Reads only the header and the table.
     """
-    from .codecs import codec_class_by_id  # late import: the codecs import this module
+    from ..codecs import codec_class_by_id  # late import: the codecs import this module
 
     total = data.numel()
     if total < HEADER_NBYTES:

@@ -6,8 +6,8 @@ Backends, tried in this order for each op (:func:`backend_for`):
    loaded lazily and defensively, so ``import commpress`` never fails because it is missing
    (pure-Python install, or a build for another torch) and never initialises CUDA.
 2. the Python backend of the tensor's device: ``numba`` for CPU tensors
-   (:mod:`commpress.backends.numba_cpu`), ``cupy`` for CUDA tensors
-   (:mod:`commpress.backends.cupy_cuda`), each used only when its library is installed.
+   (:mod:`commpress.kernels.numba_cpu`), ``cupy`` for CUDA tensors
+   (:mod:`commpress.kernels.cupy_cuda`), each used only when its library is installed.
 3. ``reference``: the pure-torch specification (``commpress/codecs/*.py``).
 
 Every backend gives bit-identical results (tests/test_native.py and tests/test_kernels.py check
@@ -30,18 +30,13 @@ from typing import Any, TypeVar
 
 import torch
 
+from ..bitpack import check_bits, pack_bits_reference, packed_nbytes, unpack_bits_reference
+from ..errors import CodecError, KernelArgumentError, NonFiniteError
 from . import backends
-from .backends.checks import KernelArgumentError
-from .bitpack import check_bits, pack_bits_reference, packed_nbytes, unpack_bits_reference
-from .errors import CodecError
 
 _OPS = backends.OP_NAMES
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _R = TypeVar("_R")
-
-
-class NonFiniteError(CodecError):
-    """The values to encode hold NaN or Inf; nothing was encoded and nothing was written."""
 
 
 @lru_cache(maxsize=1)
@@ -339,7 +334,7 @@ def sign_encode(
     """
     _check_vector("x", x)
     _check_residual(residual, x)
-    from .codecs.sign import encode_reference
+    from ..codecs.sign import encode_reference
 
     return _run(
         "sign_encode",
@@ -358,7 +353,7 @@ def sign_decode(
 ) -> None:
     """``out = decode(scales, bits)``, or ``+=`` with ``accumulate``, for sign (1-D contiguous ``out``)."""
     _check_vector("out", out)
-    from .codecs.sign import decode_reference
+    from ..codecs.sign import decode_reference
 
     _run(
         "sign_decode",
@@ -384,7 +379,7 @@ def qsgd_encode(
     _check_vector("x", x)
     _check_residual(residual, x)
     signed = _signed_seed(seed)
-    from .codecs.qsgd import encode_reference
+    from ..codecs.qsgd import encode_reference
 
     return _run(
         "qsgd_encode",
@@ -405,7 +400,7 @@ def qsgd_decode(
 ) -> None:
     """``out = decode(norms, packed)``, or ``+=`` with ``accumulate``, for QSGD (1-D contiguous ``out``)."""
     _check_vector("out", out)
-    from .codecs.qsgd import decode_reference
+    from ..codecs.qsgd import decode_reference
 
     _run(
         "qsgd_decode",
@@ -419,7 +414,7 @@ def qsgd_decode(
 def topk_select(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(indices, values)`` of the k largest ``|x|``, exact, indices ascending; see the reference."""
     _check_vector("x", x)
-    from .codecs.topk import select_reference
+    from ..codecs.topk import select_reference
 
     return _run("topk_select", x.device.type, (x, k), lambda: select_reference(x, k))
 
@@ -430,7 +425,7 @@ def sparse_scatter_add(
     """``out[indices[p]] += values[p]`` for every payload p, in order (bounds/duplicate-checked)."""
     _check_vector("out", out)
     indices, values = list(indices), list(values)
-    from .codecs.topk import scatter_add_reference
+    from ..codecs.topk import scatter_add_reference
 
     _run(
         "sparse_scatter_add",
@@ -445,7 +440,7 @@ def randomk_gather(x: torch.Tensor, k: int, seed: int, scaled: bool) -> torch.Te
     """The k values random-k sends for 1-D ``x``; see :func:`commpress.codecs.randomk.gather_reference`."""
     _check_vector("x", x)
     signed = _signed_seed(seed)
-    from .codecs.randomk import gather_reference
+    from ..codecs.randomk import gather_reference
 
     return _run(
         "randomk_gather",
@@ -459,7 +454,7 @@ def randomk_scatter_add(values: torch.Tensor, seed: int, out: torch.Tensor) -> N
     """``out[idx] += values`` at the seed's random-k indices (1-D contiguous ``out``)."""
     _check_vector("out", out)
     signed = _signed_seed(seed)
-    from .codecs.randomk import scatter_add_reference
+    from ..codecs.randomk import scatter_add_reference
 
     values = values.contiguous()
     _run(

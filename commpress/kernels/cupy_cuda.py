@@ -43,7 +43,8 @@ import numpy as np
 import torch
 
 from .. import rng
-from . import OP_NAMES, checks
+from . import checks
+from .backends import OP_NAMES
 from .checks import c10_name, compute_dtype, fail
 
 DEVICE = "cuda"

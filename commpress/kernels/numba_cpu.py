@@ -1,7 +1,7 @@
 """The numba CPU backend: every commpress op, JIT-compiled, for installs without the extension.
 
 A pure-Python install (``COMMPRESS_PURE_PYTHON=1``, or a wheel built for another torch) has no
-``commpress._C``; with numba present, :mod:`commpress.ops` runs these kernels instead of the
+``commpress._C``; with numba present, :mod:`commpress.kernels.ops` runs these kernels instead of the
 much slower pure-torch references. They implement the same specification (the references in
 ``commpress/codecs/*.py``) bit for bit: the same fixed summation order (``tree_sum``), the same
 correctly rounded square root, the same counter-based RNG (:mod:`commpress.rng`), the same
@@ -15,7 +15,7 @@ in float64 with power-of-two quanta, so it is exact). float32/float64 arrays are
 place, with no copy.
 
 Kernels return a status code instead of raising (numba raises poorly); the wrappers check
-the arguments first (:mod:`commpress.backends.checks`: numba does no bounds checking) and turn
+the arguments first (:mod:`commpress.kernels.checks`: numba does no bounds checking) and turn
 a status into the same message the native ops give. Compiled code is cached on disk
 (``cache=True``), so only the first use on a machine pays the compile.
 """
@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from .. import rng
-from . import OP_NAMES, checks
+from . import checks
+from .backends import OP_NAMES
 from .checks import c10_name, compute_dtype, fail
 
 DEVICE = "cpu"

@@ -1,6 +1,6 @@
 """Kernel backends besides the native extension: numba on the CPU, CuPy on CUDA devices.
 
-:mod:`commpress.ops` runs each op on the first backend that has it for the tensor's device:
+:mod:`commpress.kernels.ops` runs each op on the first backend that has it for the tensor's device:
 ``native`` (the ``commpress._C`` extension), then the Python backend of that device
 (``numba`` for CPU tensors, ``cupy`` for CUDA tensors), then ``reference`` (the pure-torch
 specification in ``commpress/codecs/*.py``). Every backend module here exports the ops with the
@@ -30,8 +30,8 @@ OP_NAMES = (
 
 #: backend name -> (module, device type it serves)
 PYTHON_BACKENDS = {
-    "numba": ("commpress.backends.numba_cpu", "cpu"),
-    "cupy": ("commpress.backends.cupy_cuda", "cuda"),
+    "numba": ("commpress.kernels.numba_cpu", "cpu"),
+    "cupy": ("commpress.kernels.cupy_cuda", "cuda"),
 }
 
 

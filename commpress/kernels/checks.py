@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from .. import rng
-from ..errors import CodecError
+from ..errors import KernelArgumentError
 
 # torch dtype -> the name c10 prints (the native messages use these)
 _C10_NAMES = {
@@ -30,10 +30,6 @@ _C10_NAMES = {
     torch.bool: "Bool",
 }
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-
-
-class KernelArgumentError(CodecError, RuntimeError):
-    """A kernel argument is invalid. A RuntimeError too, like the native ops' TORCH_CHECK."""
 
 
 def c10_name(dtype: torch.dtype) -> str:

@@ -1,4 +1,4 @@
-"""The numba kernels behind :mod:`commpress.backends.numba_cpu` (imported on first use).
+"""The numba kernels behind :mod:`commpress.kernels.numba_cpu` (imported on first use).
 
 Every function takes numpy arrays already checked by the wrapper (sizes, dtypes): numba does
 no bounds checking. Arrays of values are float32 or float64 (the codecs' compute dtypes);
