@@ -164,19 +164,25 @@ def piece_bounds(numel: int, n: int, align: int = 1) -> list[tuple[int, int]]:
     return [(edges[j], edges[j + 1]) for j in range(n)]
 
 
-def default_algorithm(codec: Codec) -> str:
-    """The algorithm a codec runs with by default (see the module table)."""
+def default_algorithm(codec: Codec, world_size: int = 0) -> str:
+    """The algorithm a codec runs with by default (see the module table).
+
+    Two ranks all-gather sign and QSGD instead of running the two-phase scheme: each rank then
+    sends one compressed message either way (the same bytes), and all-gather skips the second,
+    server-side compression. Measured on the digits MLP (SGD momentum 0.9 in the hook): sign
+    94.0% two-phase, 97.5% all-gather (dense 97.7%).
+    """
     if isinstance(codec, (NoneCodec, Fp16Codec, Bf16Codec, RandomKCodec)):
         return "allreduce"
     if isinstance(codec, (SignCodec, QSGDCodec)):
-        return "twophase"
+        return "allgather" if world_size == 2 else "twophase"
     return "allgather"
 
 
-def check_algorithm(algorithm: str, codec: Codec) -> str:
+def check_algorithm(algorithm: str, codec: Codec, world_size: int = 0) -> str:
     """Resolve ``"auto"`` and reject algorithms a codec cannot run with (:class:`CodecError`)."""
     if algorithm == "auto":
-        return default_algorithm(codec)
+        return default_algorithm(codec, world_size)
     if algorithm not in ALGORITHMS:
         raise CodecError(f"unknown algorithm {algorithm!r}; use 'auto' or one of {', '.join(ALGORITHMS)}")
     if algorithm == "allreduce" and not isinstance(codec, (NoneCodec, Fp16Codec, Bf16Codec, RandomKCodec)):

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from ..codecs import Codec
 from .hook import hook
 from .planning import ParamPlan, plan_parameters
@@ -22,15 +24,19 @@ from .state import CompressionState
 __all__ = ["CompressionState", "ParamPlan", "hook", "plan_parameters", "register"]
 
 
-def register(ddp_model: Any, codec: str | Codec, **options: Any) -> CompressionState:
+def register(
+    ddp_model: Any, codec: str | Codec, *, optimizer: torch.optim.Optimizer | None = None, **options: Any
+) -> CompressionState:
     """Register the commpress hook on ``ddp_model`` and return its state.
 
     ``codec`` is a name or a :class:`~commpress.codecs.Codec`; ``options`` are those of
-    :class:`CompressionState` plus, when ``codec`` is a name, the codec's parameters.
-    Must be called on every rank, before the first backward pass.
+    :class:`CompressionState` plus, when ``codec`` is a name, the codec's parameters. Pass your
+    optimizer (``optimizer=opt``) so that its momentum moves into the hook where error feedback
+    needs it (:mod:`commpress.ddp.optim`). Must be called on every rank, before the first
+    backward pass.
     """
     if not hasattr(ddp_model, "register_comm_hook"):
         raise TypeError(f"register needs a DistributedDataParallel model, got {type(ddp_model).__name__}")
-    state = CompressionState(ddp_model, codec, **options)
+    state = CompressionState(ddp_model, codec, optimizer=optimizer, **options)
     ddp_model.register_comm_hook(state, hook)
     return state

@@ -32,7 +32,7 @@ def hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Futu
     """
     buffer = bucket.buffer()
     plan = state.bucket_plan(bucket.parameters(), buffer.numel())
-    if state.momentum:
+    if state.momentum_rules:
         state.apply_momentum(plan, buffer)
     if state.dense_step():
         fut = collectives.allreduce_mean(buffer, group=state.process_group, stats=state.counters)
@@ -43,7 +43,7 @@ def hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Futu
             state.algorithm, buffer, slots, group=state.process_group,
             server_feedback=state.server_feedback, stats=state.counters,
         )
-        if state.momentum:
+        if state.momentum_rules:
             state.mask_momentum(plan)  # the residuals were updated by the encode above
     if bucket.is_last():
         state.step += 1

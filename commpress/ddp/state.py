@@ -25,6 +25,7 @@ from ..collectives import (
 )
 from ..errors import CodecError
 from ..feedback import ErrorFeedback, residual_dtype
+from .optim import MomentumRule, check_rule, has_momentum, is_sgd_like, take_over_momentum
 from .planning import (
     BucketPlan,
     CompressFilter,
@@ -77,11 +78,18 @@ class CompressionState:
         process_group: defaults to the DDP model's process group (else the default group).
         seed: base of every derived seed (per step, parameter, piece, phase); torch's global
             RNG is never used.
-        momentum: DGC's momentum correction (Lin et al., 2018): the hook keeps a local
+        optimizer: the user's optimizer (recommended). With an SGD-like optimizer that uses
+            momentum and a codec with error feedback, its momentum moves into the hook (DGC
+            momentum correction, dampening and Nesterov as ``torch.optim.SGD`` defines them;
+            see :mod:`commpress.ddp.optim`): the group's ``momentum`` becomes 0 and the settings
+            live in ``group["commpress_momentum"]``, so optimizer checkpoints stay consistent.
+            Unbiased codecs without error feedback leave the optimizer untouched.
+        momentum: DGC's momentum correction by hand (Lin et al., 2018): the hook keeps a local
             velocity ``u = momentum * u + g`` per parameter and compresses ``u`` (through error
-            feedback) instead of ``g``; use it with an optimizer *without* momentum. For dense
-            parameters this is exactly SGD momentum on the averaged gradient; for compressed
-            ones it stops error feedback from replaying stale momentum. 0 disables it.
+            feedback) instead of ``g``; use it with an optimizer *without* momentum, or pass
+            ``optimizer=`` instead. For dense parameters this is exactly SGD momentum on the
+            averaged gradient; for compressed ones it stops error feedback from replaying stale
+            momentum. 0 disables it.
         momentum_masking: zero the velocity where the residual is exactly zero after a step,
             i.e. where top-k / random-k sent the value (DGC's momentum factor masking). Off by
             default: on the digits benchmark it cost top-k 1% about 0.6 accuracy points.
@@ -100,7 +108,8 @@ class CompressionState:
     __slots__ = (
         "process_group", "world_size", "rank", "codec", "algorithm", "error_feedback",
         "warmup_steps", "seed", "step", "plans", "plans_by_id", "feedback", "server_feedback",
-        "momentum", "momentum_masking", "velocity", "_bucket_plans", "_stats",
+        "momentum", "momentum_masking", "velocity", "_bucket_plans", "_stats", "momentum_rules",
+        "optimizer",
     )
 
     def __init__(
@@ -115,6 +124,7 @@ class CompressionState:
         compress_filter: CompressFilter | None = None,
         process_group: Any = None,
         seed: int = 0,
+        optimizer: torch.optim.Optimizer | None = None,
         momentum: float = 0.0,
         momentum_masking: bool = False,
         algorithm: str = "auto",
@@ -136,10 +146,13 @@ class CompressionState:
             raise CodecError(f"seed must be an int in [0, 2**64), got {seed!r}")
         if not isinstance(momentum, (int, float)) or isinstance(momentum, bool) or not 0.0 <= momentum < 1.0:
             raise CodecError(f"momentum must be a float in [0, 1), got {momentum!r}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise CodecError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.momentum = float(momentum)
         self.momentum_masking = momentum_masking
         self.velocity: dict[str, torch.Tensor] = {}
-        self.algorithm = check_algorithm(algorithm, self.codec)
+        self.momentum_rules: dict[str, MomentumRule] = {}
+        self.optimizer = optimizer
         if error_feedback and self.codec.unbiased and not isinstance(self.codec, NoneCodec):
             logger.warning(
                 "commpress: error feedback with the unbiased codec %r: it needs a contraction "
@@ -153,6 +166,7 @@ class CompressionState:
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
+        self.algorithm = check_algorithm(algorithm, self.codec, self.world_size)
         self.error_feedback = error_feedback
         self.warmup_steps = warmup_steps
         self.seed = seed
@@ -164,6 +178,10 @@ class CompressionState:
         self.feedback, self.server_feedback = self._new_feedback()
         self._bucket_plans: dict[tuple[int, ...], BucketPlan] = {}
         self._stats = CommStats()
+        if self.momentum:
+            rule = MomentumRule(self.momentum)
+            self.momentum_rules = {name: rule for name in self.plans}
+        self._adopt_optimizer(module, optimizer)
         if verify:
             self._verify_ranks()
 
@@ -194,6 +212,7 @@ class CompressionState:
             "warmup_steps": self.warmup_steps,
             "seed": self.seed,
             "momentum": self.momentum,
+            "momentum_rules": {k: r.as_list() for k, r in sorted(self.momentum_rules.items())},
             "world_size": self.world_size,
             "params": [
                 [p.name, list(p.shape), str(p.dtype), p.compressed] for p in self.plans.values()
@@ -212,6 +231,42 @@ class CompressionState:
                 f"commpress: ranks {differ} are configured differently from rank {self.rank} "
                 "(codec, algorithm, options or model parameters): every rank must register the same"
             )
+
+    def _adopt_optimizer(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        """Take the optimizer's momentum into the hook where error feedback needs it; log why."""
+        if not self.uses_feedback:
+            if optimizer is not None:
+                logger.info("commpress: %r has no error feedback; the optimizer runs unchanged", self.codec)
+            return
+        if optimizer is None:
+            if not self.momentum:
+                logger.warning(
+                    "commpress: %r uses error feedback; pass optimizer=<your optimizer> to register() "
+                    "so that its momentum moves into the hook (DGC momentum correction). Error feedback "
+                    "feeding an optimizer's momentum converges worse (digits MLP, SGD momentum 0.9: "
+                    "sign 21.7%% accuracy vs 97.5%% with optimizer=)", self.codec,
+                )
+            return
+        if not is_sgd_like(optimizer) or not has_momentum(optimizer):
+            logger.info("commpress: optimizer %s has no SGD momentum to take over; it runs unchanged",
+                        type(optimizer).__name__)
+            return
+        if self.momentum:
+            raise CodecError("pass either optimizer= (its momentum moves into the hook) or momentum=, not both")
+        names = {id(p): n for n, p in module.named_parameters() if n in self.plans}
+        self.momentum_rules, buffers = take_over_momentum(optimizer, names)
+        for name, buf in buffers.items():  # e.g. resuming from a dense run's checkpoint
+            self.velocity.setdefault(name, buf.detach().reshape(-1).to(residual_dtype(buf.dtype), copy=True))
+
+        def resync(*_: Any) -> None:  # after load_state_dict, and before every step (schedulers)
+            self.momentum_rules, found = take_over_momentum(optimizer, names)
+            for name, buf in found.items():
+                self.velocity[name] = buf.detach().reshape(-1).to(residual_dtype(buf.dtype), copy=True)
+
+        optimizer.register_load_state_dict_post_hook(resync)
+        optimizer.register_step_pre_hook(resync)
+        logger.info("commpress: %s momentum moved into the hook for %d parameters",
+                    type(optimizer).__name__, len(self.momentum_rules))
 
     # ----- per-bucket planning ---------------------------------------------------------------
     def dense_step(self) -> bool:
@@ -233,18 +288,21 @@ class CompressionState:
         A parameter whose gradient is not finite keeps its velocity and its NaN gradient (the
         collectives' non-finite policy then voids the step on every rank).
         """
-        m = self.momentum
         for p, off in zip(plan.params, plan.offsets):
+            rule = self.momentum_rules.get(p.name)
             g = buffer[off : off + p.numel]
-            if not all_finite(g):
+            if rule is None or not all_finite(g):
                 continue
             u = self.velocity.get(p.name)
-            if u is None:
+            if u is None:  # like torch.optim.SGD: the first velocity is the gradient itself
                 u = g.to(residual_dtype(g.dtype), copy=True)
                 self.velocity[p.name] = u
             else:
-                u.mul_(m).add_(g)
-            g.copy_(u)
+                u.mul_(rule.momentum).add_(g, alpha=1.0 - rule.dampening)
+            if rule.nesterov:
+                g.add_(u, alpha=rule.momentum)
+            else:
+                g.copy_(u)
 
     def mask_momentum(self, plan: BucketPlan) -> None:
         """DGC's momentum factor masking: zero the velocity where the residual is exactly 0."""
@@ -331,6 +389,7 @@ class CompressionState:
             "step": self.step,
             "shapes": {p.name: list(p.shape) for p in self.plans.values() if p.compressed},
             "momentum": self.momentum,
+            "momentum_rules": {k: r.as_list() for k, r in self.momentum_rules.items()},
             "velocity": {k: v.detach().clone() for k, v in self.velocity.items()},
             "feedback": None if self.feedback is None else self.feedback.state_dict(),
             "server_feedback": None if self.server_feedback is None else self.server_feedback.state_dict(),
@@ -386,6 +445,14 @@ class CompressionState:
             )
         if float(state["momentum"]) != self.momentum:
             raise ValueError(f"momentum mismatch: checkpoint {state['momentum']!r}, this state {self.momentum!r}")
+        saved_rules = {
+            str(k): check_rule(v, f"momentum_rules[{k!r}]") for k, v in dict(state.get("momentum_rules") or {}).items()
+        }
+        if self.optimizer is None and saved_rules != self.momentum_rules:
+            raise ValueError(
+                "momentum rules differ from the checkpoint (it was written with optimizer=...): "
+                "register with the same optimizer settings"
+            )
         velocity: dict[str, torch.Tensor] = {}
         for name, v in dict(state["velocity"]).items():
             plan = self.plans.get(name)
