@@ -153,6 +153,7 @@ class CompressionState:
         self.velocity: dict[str, torch.Tensor] = {}
         self.momentum_rules: dict[str, MomentumRule] = {}
         self.optimizer = optimizer
+        check_algorithm(algorithm, self.codec)  # bad names fail before any process-group check
         if error_feedback and self.codec.unbiased and not isinstance(self.codec, NoneCodec):
             logger.warning(
                 "commpress: error feedback with the unbiased codec %r: it needs a contraction "
