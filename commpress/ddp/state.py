@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import logging
@@ -23,7 +24,7 @@ from ..collectives import (
     piece_bounds,
     piece_key,
 )
-from ..errors import CodecError
+from ..errors import CodecError, ConfigurationError
 from ..feedback import ErrorFeedback, residual_dtype
 from .optim import MomentumRule, check_rule, has_momentum, is_sgd_like, take_over_momentum
 from .planning import (
@@ -36,6 +37,8 @@ from .planning import (
 )
 
 STATE_FORMAT = 1
+#: How long registration waits for every rank to register too (gloo), before failing.
+VERIFY_TIMEOUT_S = 60
 logger = logging.getLogger("commpress")
 
 
@@ -96,7 +99,9 @@ class CompressionState:
         algorithm: ``"auto"`` (per codec, see :mod:`commpress.collectives`), ``"allreduce"``,
             ``"allgather"`` or ``"twophase"``.
         verify: at construction, all-gather a fingerprint of the configuration and model so
-            ranks configured differently fail with a clear error instead of hanging.
+            ranks configured differently fail with a clear error instead of hanging; on gloo a
+            monitored barrier first makes a rank that never registers an error on every rank
+            (:class:`~commpress.errors.ConfigurationError` after ``verify_timeout`` seconds).
         **codec_params: codec parameters when ``codec`` is a name (``ratio=0.01``).
 
     Example::
@@ -129,6 +134,7 @@ class CompressionState:
         momentum_masking: bool = False,
         algorithm: str = "auto",
         verify: bool = True,
+        verify_timeout: float = VERIFY_TIMEOUT_S,
         **codec_params: Any,
     ) -> None:
         self.codec = _resolve_codec(codec, codec_params)
@@ -184,7 +190,9 @@ class CompressionState:
             self.momentum_rules = {name: rule for name in self.plans}
         self._adopt_optimizer(module, optimizer)
         if verify:
-            self._verify_ranks()
+            if not isinstance(verify_timeout, (int, float)) or isinstance(verify_timeout, bool) or verify_timeout <= 0:
+                raise CodecError(f"verify_timeout must be a number of seconds > 0, got {verify_timeout!r}")
+            self._verify_ranks(float(verify_timeout))
 
     # ----- configuration --------------------------------------------------------------------
     @property
@@ -220,7 +228,24 @@ class CompressionState:
             ],
         }
 
-    def _verify_ranks(self) -> None:
+    def _verify_ranks(self, timeout_s: float) -> None:
+        """Fail on every rank, instead of hanging, when ranks register differently or not at all.
+
+        A rank that never registers (``register`` under ``if rank == 0:``) would leave the others
+        waiting forever in the fingerprint exchange: on gloo a monitored barrier first turns that
+        into an error naming the missing ranks after ``timeout_s``; the raising rank's exit
+        then breaks the other ranks' pending collectives, so every rank ends with an error.
+        """
+        if dist.get_backend(self.process_group) == "gloo":
+            try:
+                dist.monitored_barrier(
+                    self.process_group, timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True
+                )
+            except RuntimeError as exc:
+                raise ConfigurationError(
+                    f"commpress: rank {self.rank} registered the hook but not every rank did within "
+                    f"{timeout_s:g} s: call commpress.ddp.register on every rank ({exc})"
+                ) from None
         blob = json.dumps(self.config(), sort_keys=True).encode()
         digest = int.from_bytes(hashlib.sha256(blob).digest()[:7], "little")
         mine = torch.tensor([digest], dtype=torch.int64)
@@ -228,7 +253,7 @@ class CompressionState:
         all_gather_single(everyone, mine, group=self.process_group)
         if bool((everyone != mine).any()):
             differ = [i for i, d in enumerate(everyone.tolist()) if d != digest]
-            raise CodecError(
+            raise ConfigurationError(
                 f"commpress: ranks {differ} are configured differently from rank {self.rank} "
                 "(codec, algorithm, options or model parameters): every rank must register the same"
             )

@@ -1,0 +1,128 @@
+"""Multi-rank workers for tests/test_ddp_optim.py: the optimizer path of commpress.ddp.register."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import commpress.ddp
+
+from ddp_workers import (
+    assert_all_ranks,
+    assert_same_across_ranks,
+    flat_params,
+    make_ddp,
+    train_step,
+)
+
+
+def digits_split(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """scikit-learn's digits: 1400 training images split over ranks, 397 held out."""
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = torch.tensor(d.data, dtype=torch.float32) / 16
+    y = torch.tensor(d.target)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    x, y = x[perm], y[perm]
+    return x[:1400][rank::world], y[:1400][rank::world], x[1400:], y[1400:]
+
+
+def train_digits(rank: int, world: int, codec: str | None, opts: dict, epochs: int, optim: dict) -> float:
+    """Held-out accuracy of the digits MLP trained with the user's SGD, as a user registers it."""
+    xtr, ytr, xte, yte = digits_split(rank, world)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+    ddp = DDP(model, bucket_cap_mb=1)
+    opt = torch.optim.SGD(ddp.parameters(), **optim)
+    if codec is not None:
+        commpress.ddp.register(ddp, codec, optimizer=opt, **opts)
+    for _ in range(epochs):
+        for i in range(0, len(xtr), 35):
+            loss = nn.functional.cross_entropy(ddp(xtr[i : i + 35]), ytr[i : i + 35])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert_same_across_ranks(ddp, f"{codec} {opts}")
+    with torch.no_grad():
+        return float((model(xte).argmax(1) == yte).float().mean())
+
+
+def worker_tracks_dense(rank: int, world: int, out: str, epochs: int) -> None:
+    """Dense vs every biased codec with the user's SGD momentum (plain and Nesterov)."""
+    results = {}
+    for optim in ({"lr": 0.1, "momentum": 0.9}, {"lr": 0.05, "momentum": 0.9, "nesterov": True}):
+        tag = "nesterov" if optim.get("nesterov") else "momentum"
+        results[f"dense/{tag}"] = train_digits(rank, world, None, {}, epochs, optim)
+        for codec, opts in (("topk", {"ratio": 0.01}), ("sign", {})):
+            results[f"{codec}/{tag}"] = train_digits(rank, world, codec, opts, epochs, optim)
+    if rank == 0:
+        torch.save(results, Path(out, "acc.pt"))
+
+
+def worker_dense_equivalence(rank: int, world: int) -> None:
+    """With nothing dropped (top-k of everything), the hook's momentum is the optimizer's."""
+    for optim in ({"momentum": 0.9}, {"momentum": 0.9, "nesterov": True}, {"momentum": 0.8, "dampening": 0.5}):
+        ref = make_ddp()
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, **optim)
+        ddp = make_ddp()
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, **optim)
+        state = commpress.ddp.register(ddp, "topk", optimizer=opt, ratio=1.0, min_numel=0, dense_1d=False)
+        assert all(g["momentum"] == 0 and g["commpress_momentum"]["momentum"] == optim["momentum"]
+                   for g in opt.param_groups)
+        assert len(state.momentum_rules) == len(list(ddp.parameters()))
+        for step in range(6):
+            train_step(ref, ref_opt, rank, step)
+            train_step(ddp, opt, rank, step)
+        diff = float((flat_params(ref) - flat_params(ddp)).abs().max())
+        assert_all_ranks(diff < 1e-5, f"{optim}: hook momentum differs from SGD momentum by {diff}")
+
+
+def worker_checkpoint(rank: int, world: int, phase: str, outdir: str, half: int) -> None:
+    """Optimizer path: save model + optimizer + commpress state, resume in fresh processes, compare.
+
+    The optimizer is restored *before* register in the resume phase (the order users often
+    choose): its param groups carry the momentum the hook applies, so nothing depends on order.
+    """
+    ddp = make_ddp()
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9, nesterov=True)
+    path, final = Path(outdir, f"optim_rank{rank}.pt"), Path(outdir, f"optim_final_rank{rank}.pt")
+    start = 0
+    if phase == "resume":
+        ckpt = torch.load(path, weights_only=True)
+        ddp.module.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optim"])
+        state = commpress.ddp.register(ddp, "sign", optimizer=opt)
+        state.load_state_dict(ckpt["commpress"])
+        start = half
+    else:
+        state = commpress.ddp.register(ddp, "sign", optimizer=opt)
+    for step in range(start, 2 * half):
+        if phase == "full" and step == half:
+            torch.save({"model": ddp.module.state_dict(), "optim": opt.state_dict(),
+                        "commpress": state.state_dict()}, path)
+        train_step(ddp, opt, rank, step)
+    if phase == "full":
+        torch.save(flat_params(ddp), final)
+    else:
+        expected = torch.load(final, weights_only=True)
+        assert_all_ranks(torch.equal(expected, flat_params(ddp)), "resumed optimizer-path run differs")
+
+
+def worker_register_one_rank(rank: int, world: int, out: str) -> None:
+    """``register`` under ``if rank == 0`` must end with an error on every rank, never hang."""
+    ddp = make_ddp()
+    error = ""
+    try:
+        if rank == 0:
+            commpress.ddp.register(ddp, "topk", ratio=0.1, verify_timeout=3)
+        for step in range(3):
+            ddp(torch.randn(8, 32)).sum().backward()
+    except Exception as exc:  # noqa: BLE001 - the test inspects which error each rank saw
+        error = f"{type(exc).__name__}: {exc}"
+    Path(out, f"rank{rank}.txt").write_text(error)
+    os._exit(0)  # the process group is broken by design here: no orderly teardown

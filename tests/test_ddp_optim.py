@@ -1,0 +1,74 @@
+"""The optimizer path: ``commpress.ddp.register(ddp, codec, optimizer=opt)`` (commpress/ddp/optim.py).
+
+Multi-rank tests spawn gloo ranks (tests/optim_workers.py); the single-process ones check the
+take-over of an optimizer's param groups directly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from commpress.ddp.optim import GROUP_KEY, MomentumRule, check_rule, take_over_momentum
+
+import ddp_workers as w
+import optim_workers as ow
+
+
+def test_take_over_moves_momentum_into_the_groups_key_and_is_idempotent() -> None:
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)
+    names = {id(p): n for n, p in model.named_parameters()}
+    model(torch.randn(2, 4)).sum().backward()
+    # a momentum buffer from dense steps becomes the hook's velocity
+    opt.step()
+    rules, buffers = take_over_momentum(opt, names)
+    assert rules == {"weight": MomentumRule(0.9, 0.0, True), "bias": MomentumRule(0.9, 0.0, True)}
+    assert set(buffers) == {"weight", "bias"} and all("momentum_buffer" not in s for s in opt.state.values())
+    group = opt.param_groups[0]
+    assert group["momentum"] == 0 and group["nesterov"] is False and group[GROUP_KEY]["momentum"] == 0.9
+    assert take_over_momentum(opt, names) == (rules, {})
+    # a scheduler (OneCycleLR) writing momentum again is adopted
+    group["momentum"] = 0.85
+    rules, _ = take_over_momentum(opt, names)
+    assert rules["weight"].momentum == 0.85 and group["momentum"] == 0
+    # the settings survive the optimizer's own checkpoint, into an optimizer built as the user does
+    fresh = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)
+    fresh.load_state_dict(opt.state_dict())
+    assert take_over_momentum(fresh, names)[0] == rules
+
+
+def test_checkpointed_rules_are_validated() -> None:
+    assert check_rule([0.9, 0.0, True], "r") == MomentumRule(0.9, 0.0, True)
+    for bad in ([1.0, 0.0, False], [0.9, 2.0, False], [0.9, 0.0, "yes"], "0.9"):
+        with pytest.raises(ValueError, match="r:"):
+            check_rule(bad, "r")
+
+
+def test_hook_momentum_equals_sgd_momentum_when_nothing_is_dropped() -> None:
+    w.launch(ow.worker_dense_equivalence, 2, timeout=240)
+
+
+@pytest.mark.parametrize("world", [2])
+def test_compressed_training_tracks_dense_with_the_users_sgd(world: int, tmp_path: Path) -> None:
+    """Digits MLP, the user's SGD (momentum 0.9, and Nesterov): top-k 1% and sign at defaults."""
+    w.launch(ow.worker_tracks_dense, world, str(tmp_path), 12, timeout=600)
+    acc = torch.load(tmp_path / "acc.pt", weights_only=True)
+    for key, value in acc.items():
+        tag = key.split("/")[1]
+        assert value >= acc[f"dense/{tag}"] - 0.015, (key, value, acc)  # the issue's 1.5 points
+    print(acc)
+
+
+def test_checkpoint_resume_through_the_optimizer_path(tmp_path: Path) -> None:
+    w.launch(ow.worker_checkpoint, 2, "full", str(tmp_path), 5)
+    w.launch(ow.worker_checkpoint, 2, "resume", str(tmp_path), 5)
+
+
+def test_register_on_one_rank_only_fails_on_every_rank(tmp_path: Path) -> None:
+    w.launch(ow.worker_register_one_rank, 2, str(tmp_path), timeout=120)
+    errors = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
+    assert "ConfigurationError" in errors[0] and "every rank" in errors[0], errors
+    assert errors[1], errors  # the other rank's pending collective failed instead of hanging
