@@ -126,3 +126,30 @@ def worker_register_one_rank(rank: int, world: int, out: str) -> None:
         error = f"{type(exc).__name__}: {exc}"
     Path(out, f"rank{rank}.txt").write_text(error)
     os._exit(0)  # the process group is broken by design here: no orderly teardown
+
+
+def worker_guard(rank: int, world: int, out: str) -> None:
+    """The divergence guard stays quiet on a healthy run and fires on a constructed unstable one."""
+    from commpress.ddp.guard import DivergenceGuard
+
+    results = {}
+    for case, codec, opts in (
+        ("healthy", "topk", {"ratio": 0.1}),
+        # random-k keeping 1 of 16384 weights: the residual grows every step until it dwarfs the input
+        ("unstable", "randomk", {"k": 1}),
+    ):
+        ddp = make_ddp()
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        guard = DivergenceGuard(interval=2, threshold=5.0, dense_steps=3)
+        state = commpress.ddp.register(ddp, codec, optimizer=opt, divergence_guard=guard, **opts)
+        flushed = True
+        for step in range(24):
+            fired_before = guard.fired
+            train_step(ddp, opt, rank, step)
+            if guard.fired > fired_before:  # the next step is dense and must flush every residual
+                train_step(ddp, opt, rank, step + 100)
+                flushed &= state.norms_sq(next(iter(state._bucket_plans.values())), None) == 0.0
+        assert_same_across_ranks(ddp, f"guard {case}")
+        results[case] = {**{k: v for k, v in state.stats().items() if k.startswith("guard")}, "flushed": flushed}
+    if rank == 0:
+        torch.save(results, Path(out, "guard.pt"))

@@ -72,3 +72,12 @@ def test_register_on_one_rank_only_fails_on_every_rank(tmp_path: Path) -> None:
     errors = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
     assert "ConfigurationError" in errors[0] and "every rank" in errors[0], errors
     assert errors[1], errors  # the other rank's pending collective failed instead of hanging
+
+
+def test_divergence_guard_fires_on_unstable_error_feedback_only(tmp_path: Path) -> None:
+    w.launch(ow.worker_guard, 2, str(tmp_path), timeout=240)
+    res = torch.load(tmp_path / "guard.pt", weights_only=True)
+    assert res["healthy"]["guard_fired"] == 0 and res["healthy"]["guard_dense_steps"] == 0, res
+    assert 0 < res["healthy"]["guard_ratio"] < 5.0, res
+    assert res["unstable"]["guard_fired"] >= 1 and res["unstable"]["guard_dense_steps"] >= 3, res
+    assert res["unstable"]["flushed"], res

@@ -23,7 +23,8 @@ def hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Futu
     3. run the codec's collective algorithm (:func:`commpress.collectives.run`): error
        feedback and encoding happen here, on DDP's thread, and every collective is issued
        from here in order; the returned future decodes the average into ``bucket.buffer()``;
-    4. after the last bucket, advance ``state.step``.
+    4. every few steps, measure residual vs input norms for the divergence guard
+       (:mod:`commpress.ddp.guard`); after the last bucket, let it decide and advance ``state.step``.
 
     Example::
 
@@ -35,16 +36,21 @@ def hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Futu
     if state.momentum_rules:
         state.apply_momentum(plan, buffer)
     if state.dense_step():
+        state.flush_residuals(plan, buffer)  # a guard's dense step sends what was held back
         fut = collectives.allreduce_mean(buffer, group=state.process_group, stats=state.counters)
     else:
+        measured = state.guard.due(state.step)
+        input_sq = state.norms_sq(plan, buffer) if measured else 0.0
         seeds = [state.param_seed(p) for p in plan.params]
         slots = plan.slots(state.codec, seeds, state.feedback)
         fut = collectives.run(
             state.algorithm, buffer, slots, group=state.process_group,
             server_feedback=state.server_feedback, stats=state.counters,
         )
+        if measured:  # the encode above updated the residuals
+            state.guard.add(state.norms_sq(plan, None), input_sq)
         if state.momentum_rules:
-            state.mask_momentum(plan)  # the residuals were updated by the encode above
+            state.mask_momentum(plan)
     if bucket.is_last():
-        state.step += 1
+        state.end_step(buffer.device)
     return fut

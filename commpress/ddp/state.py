@@ -26,6 +26,7 @@ from ..collectives import (
 )
 from ..errors import CodecError, ConfigurationError
 from ..feedback import ErrorFeedback, residual_dtype
+from .guard import DivergenceGuard
 from .optim import MomentumRule, check_rule, has_momentum, is_sgd_like, take_over_momentum
 from .planning import (
     BucketPlan,
@@ -93,6 +94,10 @@ class CompressionState:
             ``optimizer=`` instead. For dense parameters this is exactly SGD momentum on the
             averaged gradient; for compressed ones it stops error feedback from replaying stale
             momentum. 0 disables it.
+        divergence_guard: watch ``||residuals|| / ||compressed input||`` every few steps and
+            send dense for a while (flushing the residuals) when it runs away; ``True``
+            (default) uses :class:`~commpress.ddp.guard.DivergenceGuard`'s defaults, ``False``
+            turns it off, or pass a ``DivergenceGuard(threshold=..., interval=..., dense_steps=...)``.
         momentum_masking: zero the velocity where the residual is exactly zero after a step,
             i.e. where top-k / random-k sent the value (DGC's momentum factor masking). Off by
             default: on the digits benchmark it cost top-k 1% about 0.6 accuracy points.
@@ -114,7 +119,7 @@ class CompressionState:
         "process_group", "world_size", "rank", "codec", "algorithm", "error_feedback",
         "warmup_steps", "seed", "step", "plans", "plans_by_id", "feedback", "server_feedback",
         "momentum", "momentum_masking", "velocity", "_bucket_plans", "_stats", "momentum_rules",
-        "optimizer",
+        "optimizer", "guard",
     )
 
     def __init__(
@@ -135,6 +140,7 @@ class CompressionState:
         algorithm: str = "auto",
         verify: bool = True,
         verify_timeout: float = VERIFY_TIMEOUT_S,
+        divergence_guard: DivergenceGuard | bool = True,
         **codec_params: Any,
     ) -> None:
         self.codec = _resolve_codec(codec, codec_params)
@@ -183,6 +189,13 @@ class CompressionState:
             min_numel=min_numel, dense_1d=dense_1d, compress_filter=compress_filter,
         )
         self.feedback, self.server_feedback = self._new_feedback()
+        if isinstance(divergence_guard, bool):
+            divergence_guard = DivergenceGuard() if divergence_guard else DivergenceGuard(threshold=0.0)
+        if not isinstance(divergence_guard, DivergenceGuard):
+            raise CodecError(f"divergence_guard must be a bool or a DivergenceGuard, got {divergence_guard!r}")
+        if self.feedback is None:
+            divergence_guard.threshold = 0.0  # nothing to watch without residuals
+        self.guard = divergence_guard
         self._bucket_plans: dict[tuple[int, ...], BucketPlan] = {}
         self._stats = CommStats()
         if self.momentum:
@@ -296,8 +309,41 @@ class CompressionState:
 
     # ----- per-bucket planning ---------------------------------------------------------------
     def dense_step(self) -> bool:
-        """True while the current step is a dense warm-up step."""
-        return self.step < self.warmup_steps
+        """True while the current step is dense: warm-up, or the divergence guard's dense steps."""
+        return self.step < self.warmup_steps or self.guard.dense_now()
+
+    def flush_residuals(self, plan: BucketPlan, buffer: torch.Tensor) -> None:
+        """Add this rank's residuals into a dense step's gradients and zero them (nothing lost).
+
+        Worker residuals are this rank's own; a two-phase server residual is an average already,
+        so it is added ``world_size`` times before the dense all-reduce divides by it.
+        """
+        if self.feedback is None:
+            return
+        for p, off in zip(plan.params, plan.offsets):
+            if not p.compressed:
+                continue
+            for lo, hi, e in self._residual_pieces(p):
+                buffer[off + lo : off + hi].add_(e.reshape(-1).to(buffer.dtype))
+                e.zero_()
+            if self.server_feedback is not None:
+                lo, hi = piece_bounds(p.numel, self.world_size, block_alignment(self.codec))[self.rank]
+                server_e = self.server_feedback.residual(piece_key(p.name, self.rank))
+                if server_e is not None:
+                    buffer[off + lo : off + hi].add_(server_e.reshape(-1).to(buffer.dtype), alpha=self.world_size)
+                    server_e.zero_()
+
+    def norms_sq(self, plan: BucketPlan, buffer: torch.Tensor | None) -> float:
+        """Squared norm of the compressed parameters' input in ``buffer``, or of their residuals."""
+        total = 0.0
+        for p, off in zip(plan.params, plan.offsets):
+            if not p.compressed:
+                continue
+            if buffer is not None:
+                total += float(buffer[off : off + p.numel].float().square().sum())
+            else:
+                total += sum(float(e.square().sum()) for _, _, e in self._residual_pieces(p))
+        return total
 
     def bucket_plan(self, params: list[torch.Tensor], buffer_numel: int) -> BucketPlan:
         """The (cached) plan of a bucket holding ``params``; buckets change after step 1."""
@@ -379,7 +425,15 @@ class CompressionState:
         steps = max(self.step, 1)
         s["bytes_sent_per_step"] = s["bytes_sent"] / steps
         s["dense_bytes_per_step"] = s["dense_bytes"] / steps
+        s.update(self.guard.stats())
         return s
+
+    def end_step(self, device: torch.device | str) -> None:
+        """After the step's last bucket: let the guard count or decide, then advance the step."""
+        if self.step >= self.warmup_steps:
+            measured = self.guard.due(self.step)
+            self.guard.end_step(measured, self.process_group, device)
+        self.step += 1
 
     def reset_stats(self) -> None:
         """Zero the counters (the step count is state, it is kept)."""
@@ -417,6 +471,7 @@ class CompressionState:
             "momentum": self.momentum,
             "momentum_rules": {k: r.as_list() for k, r in self.momentum_rules.items()},
             "velocity": {k: v.detach().clone() for k, v in self.velocity.items()},
+            "guard": self.guard.state(),
             "feedback": None if self.feedback is None else self.feedback.state_dict(),
             "server_feedback": None if self.server_feedback is None else self.server_feedback.state_dict(),
         }
@@ -495,6 +550,8 @@ class CompressionState:
                 raise ValueError(f"{what}: checkpoint {'has' if saved_fb is not None else 'lacks'} it, this state does not agree")
             if fb is not None:
                 fb.load_state_dict(saved_fb)  # validates keys, shapes, dtypes, finiteness
+        if "guard" in state:
+            self.guard.load(state["guard"])
         self.feedback, self.server_feedback = worker, server
         self.velocity = velocity
         self.step, self.seed = step, seed
