@@ -64,6 +64,7 @@ from .codecs.cast import Bf16Codec, Fp16Codec
 from .codecs.qsgd import QSGDCodec
 from .codecs.randomk import RandomKCodec
 from .codecs.sign import SignCodec
+from .dtypes import accumulate_dtype
 from .errors import CodecError, WireError
 from .feedback import ErrorFeedback
 from .wire.packet import Packet
@@ -193,9 +194,8 @@ def check_algorithm(algorithm: str, codec: Codec, world_size: int = 0) -> str:
     return algorithm
 
 
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Dtype decoded values are summed in: float64 for float64 buffers, float32 otherwise."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+#: Dtype decoded values are summed in (one rule for every layer: :mod:`commpress.dtypes`).
+acc_dtype = accumulate_dtype
 
 
 # ----- statistics -----------------------------------------------------------------------------
