@@ -195,7 +195,7 @@ def test_segment_payload_rejections_name_the_problem():
     # the right size but another codec (same byte count impossible here: use none for both)
     other, _ = _push_payload(lay, 0, codecs.get("topk", ratio=0.25), values, seed=5)
     with pytest.raises(ProtocolError, match="seed"):
-        parse_segments(other.numpy(), lay.shards[0], pick, torch.float32, 3, seed_check=lambda i, s: s == 0)
+        parse_segments(other.numpy(), lay.shards[0], pick, torch.float32, 3, seeds=[0] * len(lay.shards[0].segments))
     # a packet that is valid wire format but for the wrong tensor size
     wrong = wire.to_bytes(topk.encode(torch.randn(lay.shards[0].segments[0].numel + 4)))
     with pytest.raises(ProtocolError):

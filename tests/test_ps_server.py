@@ -15,8 +15,8 @@ from commpress.ps import ConfigError, Fault, ProtocolError, PSConfig, WorkerTime
 from commpress.ps import checkpoint as ckpt
 from commpress.ps.demos import digits_task
 from commpress.ps.faults import before_push
-from commpress.ps.protocol import MsgType, build
-from commpress.ps.server import BROADCAST, ShardServer
+from commpress.ps.protocol import BROADCAST, MsgType, build
+from commpress.ps.server import ShardServer
 from commpress.ps.sharding import Layout, fingerprint
 from commpress.ps.worker import WorkerNode
 

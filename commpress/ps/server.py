@@ -27,9 +27,9 @@ async/ssp mode (it no longer holds back ssp, and gets ``STOP`` if it comes back)
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,13 +38,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..codecs import Codec, NoneCodec
-from ..rng import SEED_MASK
+from ..codecs import Codec
 from .config import PSConfig
 from .errors import ConfigError, ProtocolError, PSError, WorkerTimeout
 from .protocol import (
+    BROADCAST,
+    DENSE,
     FINGERPRINT_NBYTES,
     HEADER_NBYTES,
+    JOIN_GRACE,
+    PULL_SEED,
+    PUSH_SEED,
     TO_SERVER,
     MsgType,
     build,
@@ -53,28 +57,14 @@ from .protocol import (
     parse_segments,
     payload_nbytes,
     segment_parts,
+    segment_seed,
     text_payload,
 )
 from .sharding import Layout, Segment
 
-BROADCAST = 0xFFFFFFFF  #: ``worker`` field of a sync-mode reply that goes to every worker
-JOIN_GRACE = 60.0  #: extra seconds a worker gets for its first message (imports, data loading)
-NONE = NoneCodec()
+logger = logging.getLogger("commpress")
 
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
-
-
-def codec_seed(base: int, *parts: int) -> int:
-    """A 64-bit codec seed from the run seed and (kind, step, worker, shard, segment)."""
-    h = (base * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & SEED_MASK
-    for p in parts:
-        h ^= (p + 0x9E3779B97F4A7C15 + (h << 6) + (h >> 2)) & SEED_MASK
-        h = (h * 0xBF58476D1CE4E5B9) & SEED_MASK
-        h ^= h >> 31
-    return h
-
-
-PUSH_SEED, PULL_SEED = 1, 2
 
 
 @dataclass
@@ -178,14 +168,14 @@ class ShardServer:
         self.stats = Stats()
         self._push_size = payload_nbytes(self.shard, self._push_codec_for, self.dtype)
         self._update_size = payload_nbytes(self.shard, self._pull_codec_for, self.dtype)
-        self._params_size = payload_nbytes(self.shard, lambda s: NONE, self.dtype)
+        self._params_size = payload_nbytes(self.shard, lambda s: DENSE, self.dtype)
 
     # ----- helpers -------------------------------------------------------------------------
     def _push_codec_for(self, seg: Segment) -> Codec:
-        return self.push_codec if seg.compress else NONE
+        return self.push_codec if seg.compress else DENSE
 
     def _pull_codec_for(self, seg: Segment) -> Codec:
-        return self.pull_codec if seg.compress else NONE
+        return self.pull_codec if seg.compress else DENSE
 
     def rank_of(self, worker: int) -> int:
         """MPI rank of ``worker``."""
@@ -310,10 +300,9 @@ class ShardServer:
             if len(payload):
                 raise ProtocolError("SKIP push with a payload", sender)
         else:
-            packets = parse_segments(
-                payload, self.shard, self._push_codec_for, self.dtype, sender,
-                seed_check=lambda i, s: s == codec_seed(self.cfg.seed, PUSH_SEED, step, worker, self.index, i),
-            )
+            seeds = [segment_seed(self.cfg.seed, PUSH_SEED, step, worker, self.index, i)
+                     for i in range(len(self.shard.segments))]
+            packets = parse_segments(payload, self.shard, self._push_codec_for, self.dtype, sender, seeds=seeds)
             t1 = time.perf_counter()
             self.stats.seconds["validate"] += t1 - t0
             grad = decode_segments(packets, self.shard, self._push_codec_for, torch.empty_like(self.x), sender)
@@ -383,7 +372,7 @@ class ShardServer:
 
     # ----- replies -------------------------------------------------------------------------
     def _params(self, key: int, values: torch.Tensor, step: int, worker: int, *, answer: bool = False) -> torch.Tensor:
-        packets = [NONE.encode(values[self.shard.local(seg)]) for seg in self.shard.segments]
+        packets = [DENSE.encode(values[self.shard.local(seg)]) for seg in self.shard.segments]
         msg = build(MsgType.PARAMS, shard=self.index, worker=worker, step=step, parts=segment_parts(packets))
         self.stats.params_replies += 1
         self._count_reply(msg, key, answer)
@@ -409,7 +398,7 @@ class ShardServer:
             delta = self.x - replica
             packets = [
                 self._pull_codec_for(seg).encode(delta[self.shard.local(seg)],
-                                                 seed=codec_seed(self.cfg.seed, PULL_SEED, step, key, self.index, i))
+                                                 seed=segment_seed(self.cfg.seed, PULL_SEED, step, key, self.index, i))
                 for i, seg in enumerate(self.shard.segments)
             ]
             decoded = torch.zeros_like(self.x)
@@ -460,9 +449,8 @@ class ShardServer:
             self.stats.dropped.append(rank)
             self.held.discard(w)
             self._event(event="drop", worker=w, step=self.clock[w], silent=round(silent, 3))
-            print(f"[commpress.ps server {self.index}] dropping worker rank {rank} (worker {w}): silent for "
-                  f"{silent:.1f} s at {what} (timeout {self.cfg.timeout:g} s); continuing without it",
-                  file=sys.stderr, flush=True)
+            logger.warning("[commpress.ps server %d] dropping worker rank %d (worker %d): silent for %.1f s at %s "
+                           "(timeout %g s); continuing without it", self.index, rank, w, silent, what, self.cfg.timeout)
             out.append((rank, self._stop(w, f"dropped by server {self.index} after {silent:.1f} s of silence")))
             if self.mode == "ssp":
                 out.extend(self._release())
@@ -559,7 +547,7 @@ def serve(
     goodbye; the ranks of those that never do are returned (they may hang: the caller ends
     the job). ``bar`` is a tqdm-like progress bar (rank 0), ``save(step, state)`` writes a
     checkpoint. Raises :class:`WorkerTimeout` and other fatal :class:`PSError`; rejected
-    messages are reported on stderr and counted. Liveness is checked at least every 50 ms,
+    messages are logged (``commpress`` logger) and counted. Liveness is checked at least every 50 ms,
     also while messages keep arriving.
     """
     from .transport import Backoff, Inbox, Outbox
@@ -625,9 +613,8 @@ def _reject(server: ShardServer, exc: ProtocolError) -> None:
     server.stats.rejected[rank] = n
     server._event(event="reject", rank=rank, reason=exc.reason)
     if n <= 10 or n % 100 == 0:
-        print(f"[commpress.ps server {server.index}] rejected a message from rank {rank}: {exc.reason}"
-              + (" (further rejections from this rank are counted, printed every 100th)" if n == 10 else ""),
-              file=sys.stderr, flush=True)
+        logger.warning("[commpress.ps server %d] rejected a message from rank %d: %s%s", server.index, rank, exc.reason,
+                       " (further rejections from this rank are counted, logged every 100th)" if n == 10 else "")
 
 
 def _update_bar(bar: Any, server: ShardServer, elapsed: float) -> None:
