@@ -112,6 +112,38 @@ def test_segments_compress_big_matrices_and_merge_small_tensors():
     assert cut.shards[0].pieces[0].shape == (57,) and cut.shards[1].pieces[0].shape == (23,)
 
 
+def test_segments_follow_the_shared_selection_rule():
+    from commpress.selection import DEFAULT_MIN_NUMEL, SelectionRule, compress
+
+    rule = SelectionRule(min_numel=16)
+    for servers in (1, 2, 3):
+        lay = _layout(servers)
+        assert lay.rule == rule
+        for sh in lay.shards:
+            for pc in sh.pieces:
+                seg = next(s for s in sh.segments if s.start <= pc.start < s.stop)
+                assert seg.compress == rule(pc.name, lay.params[pc.param].shape, pc.numel)
+    assert DEFAULT_MIN_NUMEL == 1024
+    assert compress("fc.weight", (32, 32)) and not compress("fc.weight", (31, 32)) and not compress("b", (4096,))
+    assert compress("b", (4096,), dense_1d=False) and not compress("w", (64, 64), 1000)
+    with pytest.raises(ValueError, match="min_numel"):
+        SelectionRule(min_numel=-1)
+
+
+def test_selection_rule_is_ddp_default_rule():
+    planning = pytest.importorskip("commpress.ddp.planning")
+    from commpress.selection import SelectionRule
+
+    params = {n: torch.nn.Parameter(torch.zeros(s)) for n, s in
+              [("w", (32, 32)), ("v", (31, 33)), ("b", (2048,)), ("s", ()), ("c", (2, 3, 4, 5))]}
+    for min_numel in (0, 1, 120, 1024, 5000):
+        for dense_1d in (True, False):
+            ddp = planning.default_rule(min_numel, dense_1d)
+            ours = SelectionRule(min_numel, dense_1d)
+            for name, p in params.items():
+                assert ddp(name, p) == ours(name, tuple(p.shape)), (name, min_numel, dense_1d)
+
+
 def test_layout_rejects_bad_input():
     with pytest.raises(ConfigError, match="fewer than"):
         Layout([("a", (2,))], torch.float32, 3)
