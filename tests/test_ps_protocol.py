@@ -262,7 +262,9 @@ def test_fault_specs():
     assert (f.kind, f.worker, f.step, f.seconds) == ("hang", 1, 3, 2.5)
     assert f.applies(1, 3) and not f.applies(1, 4) and not f.applies(0, 3)
     assert parse_fault("slow:worker=0").applies(0, 99)
-    for bad in ("explode:worker=1", "hang:step=1", "hang:worker=x"):
+    assert parse_fault("hang: worker = 2 , seconds=inf").seconds == float("inf")  # the shared option parser
+    for bad in ("explode:worker=1", "hang:step=1", "hang:worker=x", "hang:worker=1,step=1.5", "hang:worker=-1",
+                "hang:worker=1,speed=3", "hang:worker=1,seconds=-2", "hang:worker"):
         with pytest.raises(ConfigError):
             parse_fault(bad)
 
