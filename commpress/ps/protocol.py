@@ -16,7 +16,8 @@ offset  size  field
 24      8     ``nbytes``: payload length; must equal the received size minus 48
 32      4     ``crc32``: zlib CRC-32 of the payload (when ``CRC`` is set)
 36      4     ``reserved``: 0
-40      8     ``value``: a float64 (the worker's loss on pushes to shard 0, else 0)
+40      8     ``value``: a finite float64 (the worker's loss on pushes to shard 0 when
+              finite, else 0)
 ======  ====  ==============================================================
 
 Payloads of ``PUSH``, ``UPDATE``, ``PARAMS`` and ``SHARD`` are the shard's segments in
@@ -133,7 +134,10 @@ def build(
 
     With ``checksum`` the payload's CRC-32 is computed on the host, which needs the payload
     on the CPU; device buffers sent to a CUDA-aware MPI go without it (``checksum=False``).
+    A non-finite ``value`` raises ValueError: the receiver would reject the message.
     """
+    if not math.isfinite(value):
+        raise ValueError(f"value must be finite (the receiver rejects anything else), got {value}")
     tensors = [p if isinstance(p, torch.Tensor) else torch.frombuffer(bytearray(p), dtype=torch.uint8)
                for p in parts if len(p)]
     device = tensors[0].device if tensors else torch.device("cpu")

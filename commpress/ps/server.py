@@ -22,6 +22,13 @@ is replaced by the dense parameters (``d' = 0``), so the bound holds after every
 async/ssp: any message once its reply went out) that stays silent for ``timeout`` seconds
 raises :class:`~commpress.ps.errors.WorkerTimeout` in sync mode, and is dropped in
 async/ssp mode (it no longer holds back ssp, and gets ``STOP`` if it comes back).
+
+**No single message stops the server.** Anything a peer sends that the run cannot accept
+(bad bytes, a first PULL with another configuration fingerprint or from another step, a
+BYE before joining or, in sync mode, before the last step) raises
+:class:`~commpress.ps.errors.ProtocolError`: the message is rejected, named and counted, and
+nothing changes. Only silence ends a sync run, and its :class:`WorkerTimeout` then quotes the
+last message rejected from that worker, so a misconfigured worker is still reported as such.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ import torch
 
 from ..codecs import Codec
 from .config import PSConfig
-from .errors import ConfigError, ProtocolError, PSError, WorkerTimeout
+from .errors import ConfigError, ProtocolError, WorkerTimeout
 from .protocol import (
     BROADCAST,
     DENSE,
@@ -165,6 +172,7 @@ class ShardServer:
         self.started = now()
         self.last_heard = [self.started] * workers
         self.last_loss: dict[int, float] = {}
+        self.last_rejected: dict[int, str] = {}  # worker -> reason of its last rejected message
         self.stats = Stats()
         self._push_size = payload_nbytes(self.shard, self._push_codec_for, self.dtype)
         self._update_size = payload_nbytes(self.shard, self._pull_codec_for, self.dtype)
@@ -212,8 +220,8 @@ class ShardServer:
     def handle(self, sender: int, buf: np.ndarray) -> Out:
         """Process one message from MPI rank ``sender``; return ``(dest rank, message)`` pairs.
 
-        Raises :class:`ProtocolError` for a message to reject (nothing changed) and other
-        :class:`PSError` subclasses for conditions that end the run.
+        Raises :class:`ProtocolError` for a message to reject (nothing changed but the counters
+        and :attr:`last_rejected`); no message ends the run (only :meth:`check` does, on silence).
         """
         self.stats.msgs_in += 1
         self.stats.bytes_in += len(buf)
@@ -237,11 +245,15 @@ class ShardServer:
             return [(sender, self._stop(worker, reason))]
         if worker in self.done:
             raise ProtocolError(f"{head.type.name} after the worker said goodbye", sender)
-        if head.type == MsgType.PULL:
-            return self._on_pull(worker, head.step, payload, sender)
-        if head.type == MsgType.BYE:
-            return self._on_bye(worker, head.step, sender)
-        return self._on_push(worker, head.step, head.skip, head.value, payload, sender)
+        try:
+            if head.type == MsgType.PULL:
+                return self._on_pull(worker, head.step, payload, sender)
+            if head.type == MsgType.BYE:
+                return self._on_bye(worker, head.step, sender)
+            return self._on_push(worker, head.step, head.skip, head.value, payload, sender)
+        except ProtocolError as exc:
+            self.last_rejected[worker] = f"{head.type.name} at step {head.step}: {exc.reason}"
+            raise
 
     def _on_pull(self, worker: int, step: int, payload: np.ndarray, sender: int) -> Out:
         if len(payload) != FINGERPRINT_NBYTES:
@@ -254,15 +266,15 @@ class ShardServer:
                 raise ProtocolError(f"PULL fingerprint {fp:#018x} differs from the one this worker joined with", sender)
             if step != current:
                 raise ProtocolError(f"step: PULL at step {step}, the worker is at step {current}", sender)
-        elif fp != self.fingerprint:
-            raise ConfigError(
-                f"worker rank {sender} runs a different model, shard layout or codec setup "
-                f"(fingerprint {fp:#018x}, server {self.index} has {self.fingerprint:#018x})"
+        elif fp != self.fingerprint:  # not admitted; only its silence can end a sync run
+            raise ProtocolError(
+                f"fingerprint: worker rank {sender} runs a different model, shard layout or codec setup "
+                f"(fingerprint {fp:#018x}, server {self.index} has {self.fingerprint:#018x}); not admitted", sender,
             )
         elif self.mode == "sync" and step != self.step:
-            raise ConfigError(
-                f"worker rank {sender} starts at step {step} but server {self.index} is at step "
-                f"{self.step} (checkpoints from different steps?)"
+            raise ProtocolError(
+                f"step: worker rank {sender} starts at step {step} but server {self.index} is at step "
+                f"{self.step} (checkpoints from different steps?); not admitted", sender,
             )
         self.last_heard[worker] = self.now()
         self.joined.add(worker)
@@ -276,11 +288,16 @@ class ShardServer:
         return [(sender, self._params(worker, self.x, step, worker))]
 
     def _on_bye(self, worker: int, step: int, sender: int) -> Out:
+        if worker not in self.joined:
+            raise ProtocolError("BYE before the worker's first PULL", sender)
+        if self.mode == "sync" and step < self.cfg.steps:
+            raise ProtocolError(
+                f"BYE at step {step} of {self.cfg.steps}: sync mode cannot continue without this worker, so it is "
+                "still waited for (the run stops if it stays silent)", sender,
+            )
         self.done.add(worker)
         self.held.discard(worker)
         self.replica.pop(worker, None)
-        if self.mode == "sync" and step < self.cfg.steps:
-            raise PSError(f"worker rank {sender} left at step {step} of {self.cfg.steps}; sync mode cannot continue without it")
         self._event(event="bye", worker=worker, step=step)
         return self._release() if self.mode == "ssp" else []
 
@@ -440,10 +457,12 @@ class ShardServer:
             rank = self.rank_of(w)
             what = f"step {self.step}" if self.mode == "sync" else f"step {self.clock[w]}"
             if self.mode == "sync":
+                rejected = self.last_rejected.get(w)
                 raise WorkerTimeout(
                     f"worker rank {rank} (worker {w}) sent nothing for {silent:.1f} s (timeout "
                     f"{self.cfg.timeout:g} s) while server {self.index} waited for {what}; stopping "
-                    "all ranks: sync mode cannot continue without it", rank,
+                    "all ranks: sync mode cannot continue without it"
+                    + (f" (its last rejected message: {rejected})" if rejected else ""), rank,
                 )
             self.dropped[w] = now
             self.stats.dropped.append(rank)

@@ -18,6 +18,7 @@ decoded on the host (bit-identical to the server's replica), then copied to the 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -131,7 +132,8 @@ class WorkerNode:
         """PUSH messages (one per server) carrying ``grad`` (flat) for ``step``.
 
         A non-finite gradient is not sent: every push is flagged SKIP and the error-feedback
-        memory is left untouched (see :mod:`commpress.feedback`).
+        memory is left untouched (see :mod:`commpress.feedback`). A non-finite ``loss`` is
+        reported as 0 (the header's ``value`` must be finite).
         """
         out = []
         finite = all_finite(grad)
@@ -159,7 +161,7 @@ class WorkerNode:
                 parts = [p.cpu() for p in parts]
             msg = build(
                 MsgType.PUSH, shard=shard.index, worker=self.worker, step=step, parts=parts,
-                value=loss if shard.index == 0 else 0.0, flags=FLAG_SKIP if skip else 0,
+                value=loss if shard.index == 0 and math.isfinite(loss) else 0.0, flags=FLAG_SKIP if skip else 0,
                 checksum=self.checksum,
             )
             self.push_bytes += msg.numel()
