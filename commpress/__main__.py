@@ -52,15 +52,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parse_params(parser: argparse.ArgumentParser, items: list[str]) -> dict[str, Any]:
+    """``--param KEY=VALUE`` items, read with the package's one option parser."""
+    from .codecs import parse_option
+    from .errors import CodecError
+
     params: dict[str, Any] = {}
     for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            parser.error(f"--param expects KEY=VALUE, got {item!r}")
         try:
-            params[key] = json.loads(value.lower() if value.lower() in ("true", "false") else value)
-        except json.JSONDecodeError:
-            params[key] = value
+            key, value = parse_option(item, "--param")
+        except CodecError:
+            parser.error(f"--param expects KEY=VALUE, got {item!r}")
+        params[key] = value
     return params
 
 

@@ -13,6 +13,11 @@ a Weyl sequence, which passes BigCrush as a counter-mode generator:
               return z ^ z >> 31
 
 A uniform float in [0, 1) is ``(r >> 40) * 2**-24``: exactly representable in float32.
+
+Seeds themselves are derived here too, once for the whole package: :func:`derive_seed` chains
+``mix64`` over ``(base, part_1, part_2, ...)`` (step, parameter, rank, phase, shard...), so
+every rank computes the same seed for the same coordinates without any generator state. The
+DDP collectives and the parameter server both use it.
 The reference below uses numpy's wrapping uint64 arithmetic (well defined, unlike torch's
 signed int64); it runs on the CPU and returns torch tensors.
 """
@@ -26,6 +31,7 @@ GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 SEED_MASK = (1 << 64) - 1
+_GOLDEN_INT = 0x9E3779B97F4A7C15
 
 # Stream ids keep the codecs' draws independent for one seed.
 STREAM_RANDOMK = 0x52414E444B000001  # "RANDK"
@@ -36,6 +42,30 @@ def _mix64(z: np.ndarray) -> np.ndarray:
     z = (z ^ (z >> np.uint64(30))) * _M1
     z = (z ^ (z >> np.uint64(27))) * _M2
     return z ^ (z >> np.uint64(31))
+
+
+def mix64(z: int) -> int:
+    """SplitMix64's finaliser on one Python int (taken mod 2**64): the scalar form of the hash."""
+    z &= SEED_MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & SEED_MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & SEED_MASK
+    return z ^ (z >> 31)
+
+
+def derive_seed(base: int, *parts: int) -> int:
+    """Hash ``base`` and non-negative integers into a 64-bit seed (SplitMix64 chaining).
+
+    ``h = mix64(base mod 2**64)``, then ``h = mix64(h + (p + 1) * golden)`` for each part ``p``.
+    A pure function of its arguments, so every rank derives the same seed for the same
+    ``(base, step, parameter, ...)`` without touching any random number generator. DDP's frame
+    bytes depend on it: the formula is part of the wire behaviour and must not change.
+    """
+    h = mix64(base)
+    for p in parts:
+        if p < 0:
+            raise ValueError(f"derive_seed: parts must be >= 0, got {p}")
+        h = mix64(h + (p + 1) * _GOLDEN_INT)
+    return h
 
 
 def check_seed(seed: int) -> int:

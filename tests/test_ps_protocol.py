@@ -69,7 +69,8 @@ def test_header_rejects_wrong_direction_truncation_and_nan_value():
     assert parse_header(buf, 1, TO_WORKER).type == MsgType.PARAMS
     with pytest.raises(ProtocolError, match="truncated"):
         parse_header(buf[:20], 1, TO_WORKER)
-    nan = _np(build(MsgType.PUSH, shard=0, worker=0, step=0, value=float("nan")))
+    nan = _np(build(MsgType.PUSH, shard=0, worker=0, step=0))  # build refuses a NaN value: a liar patches it in
+    nan[40:48] = np.frombuffer(np.float64(np.nan).tobytes(), dtype=np.uint8)
     with pytest.raises(ProtocolError, match="value"):
         parse_header(nan, 1, TO_SERVER)
     skip_pull = _np(build(MsgType.PULL, shard=0, worker=0, step=0, flags=FLAG_SKIP))
@@ -110,6 +111,38 @@ def test_segments_compress_big_matrices_and_merge_small_tensors():
     assert [(s.start, s.stop, s.compress) for s in lay.shards[0].segments] == [(0, 80, True), (80, 115, False)]
     cut = _layout(2)  # shard boundary inside w1: both pieces compressed separately, 1-D views
     assert cut.shards[0].pieces[0].shape == (57,) and cut.shards[1].pieces[0].shape == (23,)
+
+
+def test_segments_follow_the_shared_selection_rule():
+    from commpress.selection import DEFAULT_MIN_NUMEL, SelectionRule, compress
+
+    rule = SelectionRule(min_numel=16)
+    for servers in (1, 2, 3):
+        lay = _layout(servers)
+        assert lay.rule == rule
+        for sh in lay.shards:
+            for pc in sh.pieces:
+                seg = next(s for s in sh.segments if s.start <= pc.start < s.stop)
+                assert seg.compress == rule(pc.name, lay.params[pc.param].shape, pc.numel)
+    assert DEFAULT_MIN_NUMEL == 1024
+    assert compress("fc.weight", (32, 32)) and not compress("fc.weight", (31, 32)) and not compress("b", (4096,))
+    assert compress("b", (4096,), dense_1d=False) and not compress("w", (64, 64), 1000)
+    with pytest.raises(ValueError, match="min_numel"):
+        SelectionRule(min_numel=-1)
+
+
+def test_selection_rule_is_ddp_default_rule():
+    planning = pytest.importorskip("commpress.ddp.planning")
+    from commpress.selection import SelectionRule
+
+    params = {n: torch.nn.Parameter(torch.zeros(s)) for n, s in
+              [("w", (32, 32)), ("v", (31, 33)), ("b", (2048,)), ("s", ()), ("c", (2, 3, 4, 5))]}
+    for min_numel in (0, 1, 120, 1024, 5000):
+        for dense_1d in (True, False):
+            ddp = planning.default_rule(min_numel, dense_1d)
+            ours = SelectionRule(min_numel, dense_1d)
+            for name, p in params.items():
+                assert ddp(name, p) == ours(name, tuple(p.shape)), (name, min_numel, dense_1d)
 
 
 def test_layout_rejects_bad_input():
@@ -195,7 +228,7 @@ def test_segment_payload_rejections_name_the_problem():
     # the right size but another codec (same byte count impossible here: use none for both)
     other, _ = _push_payload(lay, 0, codecs.get("topk", ratio=0.25), values, seed=5)
     with pytest.raises(ProtocolError, match="seed"):
-        parse_segments(other.numpy(), lay.shards[0], pick, torch.float32, 3, seed_check=lambda i, s: s == 0)
+        parse_segments(other.numpy(), lay.shards[0], pick, torch.float32, 3, seeds=[0] * len(lay.shards[0].segments))
     # a packet that is valid wire format but for the wrong tensor size
     wrong = wire.to_bytes(topk.encode(torch.randn(lay.shards[0].segments[0].numel + 4)))
     with pytest.raises(ProtocolError):
@@ -230,7 +263,9 @@ def test_fault_specs():
     assert (f.kind, f.worker, f.step, f.seconds) == ("hang", 1, 3, 2.5)
     assert f.applies(1, 3) and not f.applies(1, 4) and not f.applies(0, 3)
     assert parse_fault("slow:worker=0").applies(0, 99)
-    for bad in ("explode:worker=1", "hang:step=1", "hang:worker=x"):
+    assert parse_fault("hang: worker = 2 , seconds=inf").seconds == float("inf")  # the shared option parser
+    for bad in ("explode:worker=1", "hang:step=1", "hang:worker=x", "hang:worker=1,step=1.5", "hang:worker=-1",
+                "hang:worker=1,speed=3", "hang:worker=1,seconds=-2", "hang:worker"):
         with pytest.raises(ConfigError):
             parse_fault(bad)
 

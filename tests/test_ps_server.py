@@ -15,8 +15,8 @@ from commpress.ps import ConfigError, Fault, ProtocolError, PSConfig, WorkerTime
 from commpress.ps import checkpoint as ckpt
 from commpress.ps.demos import digits_task
 from commpress.ps.faults import before_push
-from commpress.ps.protocol import MsgType, build
-from commpress.ps.server import BROADCAST, ShardServer
+from commpress.ps.protocol import BROADCAST, MsgType, build
+from commpress.ps.server import ShardServer
 from commpress.ps.sharding import Layout, fingerprint
 from commpress.ps.worker import WorkerNode
 
@@ -209,12 +209,75 @@ def test_protocol_breaches_by_a_worker_are_rejected():
         sv.handle(c.S + 1, bad_fp)
     with pytest.raises(ProtocolError, match="PULL at step 3"):
         sv.handle(c.S + 1, build(MsgType.PULL, shard=0, worker=1, step=3, parts=[c.fp.to_bytes(8, "little")]).numpy())
-    fresh = Cluster(cfg)  # a worker joining with another setup: the run cannot work, fatal
-    with pytest.raises(ConfigError, match="different model"):
+    # a worker joining with another setup or from another step: rejected and named, never fatal
+    # (issue 12 item 5: these used to raise ConfigError and end the server)
+    fresh = Cluster(cfg)
+    with pytest.raises(ProtocolError, match=f"from rank {fresh.S + 1}: fingerprint: .*different model") as info:
         fresh.servers[0].handle(fresh.S + 1, bad_fp)
+    assert info.value.sender == fresh.S + 1
     late = build(MsgType.PULL, shard=0, worker=1, step=4, parts=[fresh.fp.to_bytes(8, "little")]).numpy()
-    with pytest.raises(ConfigError, match="starts at step 4"):
+    with pytest.raises(ProtocolError, match="starts at step 4"):
         fresh.servers[0].handle(fresh.S + 1, late)
+    assert not fresh.servers[0].joined
+    fresh.start()  # the honest workers still join and train
+    fresh.sync_step(0)
+    assert all(sv.step == 1 for sv in fresh.servers)
+
+
+def test_a_bye_cannot_stop_a_sync_server():
+    """Issue 12 item 5: a BYE at step 0 (before or after joining) used to end the run (exit 1)."""
+    cfg = _cfg(codec="topk:ratio=0.1", timeout=5.0)
+    c = Cluster(cfg)
+    sv = c.servers[0]
+    bye = build(MsgType.BYE, shard=0, worker=1, step=0).numpy()
+    with pytest.raises(ProtocolError, match="BYE before the worker's first PULL"):
+        sv.handle(c.S + 1, bye)
+    c.start()
+    with pytest.raises(ProtocolError, match="BYE at step 0 of 12: sync mode cannot continue"):
+        sv.handle(c.S + 1, bye)
+    assert not sv.done
+    c.sync_step(0)  # the run goes on
+    c.sync_step(1)
+    assert all(s.step == 2 for s in c.servers)
+    c.push(0, 2)  # ...and if worker 1 really left, its silence ends the run with what happened
+    c.clock.t += 6.0
+    with pytest.raises(WorkerTimeout, match=r"last rejected message: BYE at step 0: BYE at step 0 of 12"):
+        sv.check()
+
+
+def test_a_bye_in_async_mode_ends_only_that_worker():
+    cfg = _cfg(mode="async", servers=1)
+    c = Cluster(cfg)
+    c.start()
+    c.send(1, c.nodes[1].bye(0))
+    assert c.servers[0].done == {1}
+    c.push(0, 0)
+    assert c.deliver(0, 0) == [None]
+
+
+def test_a_nan_loss_does_not_kill_a_sync_run():
+    """Issue 12 item 2: the skip push carried the NaN loss in the header's value and was rejected."""
+    cfg = _cfg(codec="topk:ratio=0.1", servers=2)
+    c = Cluster(cfg)
+    c.start()
+    node = c.nodes[0]
+    _, grad = node.compute(c.task.loss, c.task.batch(0, 2, 0))
+    grad[0] = float("nan")
+    msgs = node.push(0, grad, float("nan"))
+    c.send(0, msgs)  # accepted: no ProtocolError
+    c.push(1, 0)
+    c.deliver(0, 0)
+    c.deliver(1, 0)
+    assert all(sv.step == 1 and sv.stats.skipped_pushes == 1 for sv in c.servers)
+    assert not any(sv.stats.rejected for sv in c.servers)
+    _, grad = node.compute(c.task.loss, c.task.batch(0, 2, 1))
+    c.send(0, node.push(1, grad, float("inf")))  # a finite gradient with a non-finite loss
+    c.push(1, 1)
+    c.deliver(0, 1)
+    c.deliver(1, 1)
+    assert all(sv.step == 2 for sv in c.servers) and torch.isfinite(c.params()).all()
+    with pytest.raises(ValueError, match="value must be finite"):
+        build(MsgType.PUSH, shard=0, worker=0, step=0, value=float("nan"))
 
 
 def test_non_finite_gradient_is_skipped_and_averaged_out():

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from commpress import WireError, codecs, wire
+from commpress import CodecError, WireError, codecs, wire
 
 from strategies import CODEC_CONFIGS, make_codec
 
@@ -197,3 +197,93 @@ def test_fuzz_mutated_packets(cid, data):
         else:
             raw += data.draw(st.binary(min_size=1, max_size=16))
     _decode_or_wire_error(bytes(raw))
+
+
+# ----- the multi-packet frame (commpress.wire.frame) -------------------------------------------
+def test_frame_roundtrip_and_hostile_bytes():
+    topk = codecs.get("topk", ratio=0.1)
+    dense = codecs.get("none")
+    layout = wire.FrameLayout([("w", topk, 100), ("b", dense, 7)], torch.float32)
+    x, b = torch.randn(100), torch.randn(7)
+    frame = layout.pack([topk.encode(x), None])
+    assert frame.numel() == layout.nbytes and layout.nbytes % 8 == 0
+    got = layout.unpack(frame, source=0)
+    assert got[1] is None  # the non-finite flag travels instead of a packet
+    assert got[0] is not None and torch.equal(topk.decode(got[0]), topk.decode(topk.encode(x)))
+    frame = layout.pack([topk.encode(x), dense.encode(b)])
+    with pytest.raises(WireError, match="rank 3: 10 bytes"):
+        layout.unpack(frame[:10], source=3)
+    bad = frame.clone()
+    bad[0] = 0
+    with pytest.raises(WireError, match="bad header"):
+        layout.unpack(bad, source=1)
+    bad = frame.clone()
+    bad[8] = 7  # unknown flag of slot 'w'
+    with pytest.raises(WireError, match="slot 'w' has unknown flag"):
+        layout.unpack(bad, source=1)
+    bad = frame.clone()
+    bad[layout.offsets[1] + 8] ^= 0xFF  # corrupt the numel of slot 'b'
+    with pytest.raises(WireError, match="rank 2, slot 'b': numel"):
+        layout.unpack(bad, source=2)
+    other = wire.FrameLayout([("w", topk, 100), ("b", codecs.get("fp16"), 7)], torch.float32)
+    with pytest.raises(WireError):
+        other.unpack(frame, source=0)  # sizes disagree: rejected before any decode
+    with pytest.raises(WireError, match="slot 'w': seed: got 0, expected 5"):
+        layout.unpack(frame, source=0, seeds=[5, 0])
+
+
+def test_frame_bytes_match_the_ddp_frame_layout():
+    """The DDP frame (collectives.FrameLayout) must keep its bytes when it moves here."""
+    collectives = pytest.importorskip("commpress.collectives")
+    old_cls = getattr(collectives, "FrameLayout", None)
+    if old_cls is None or old_cls is wire.FrameLayout:
+        pytest.skip("DDP already uses commpress.wire.FrameLayout")
+    entries = [("a", codecs.get("sign", block_size=32), 70), ("b", codecs.get("none"), 5),
+               ("c", codecs.get("qsgd", bits=4), 300), ("d", codecs.get("topk", k=3), 9)]
+    for dtype in (torch.float32, torch.float16):
+        new, old = wire.FrameLayout(entries, dtype), old_cls(entries, dtype)
+        assert (new.nbytes, new.offsets, new.sizes, new.header_nbytes) == (old.nbytes, old.offsets, old.sizes, old.header_nbytes)
+        g = torch.Generator().manual_seed(1)
+        packets = [c.encode(torch.randn(n, generator=g).to(dtype), seed=9) for _, c, n in entries]
+        packets[1] = None
+        a, b = new.pack(packets), old.pack(packets)
+        assert torch.equal(a, b)
+        assert [p is None for p in old.unpack(a, 0)] == [p is None for p in new.unpack(b, 0)]
+
+
+def test_frame_without_flags_and_variable_entries():
+    gamma = codecs.get("qsgd", bits=4, coding="gamma")
+    dense = codecs.get("none")
+    layout = wire.FrameLayout([(0, gamma, 500), (1, dense, 3), (2, gamma, 64)], torch.float32,
+                              flags=False, what="payload", entry="segment")
+    assert not layout.fixed and layout.header_nbytes == 0
+    xs = [torch.randn(500), torch.randn(3), torch.randn(64)]
+    packets = [c.encode(x, seed=i) for i, (c, x) in enumerate(zip(layout.codecs, xs))]
+    frame = layout.pack(packets)
+    assert frame.numel() < layout.nbytes  # gamma coding is shorter than its bound
+    assert torch.equal(frame, torch.cat([wire.to_bytes(p) for p in packets]))  # just the packets
+    got = layout.unpack(frame, seeds=[0, 1, 2])
+    for c, p, q in zip(layout.codecs, got, packets):
+        assert p is not None and torch.equal(c.decode(p), c.decode(q))
+    with pytest.raises(WireError, match="after the last segment"):
+        layout.unpack(torch.cat([frame, torch.zeros(8, dtype=torch.uint8)]))
+    with pytest.raises(WireError, match="segment 2: truncated"):
+        layout.unpack(frame[:-8])
+    with pytest.raises(WireError, match="at most"):
+        layout.unpack(torch.zeros(layout.nbytes + 1, dtype=torch.uint8))
+    with pytest.raises(CodecError, match="needs a packet"):
+        layout.pack([packets[0], None, packets[2]])
+
+
+def test_frame_checks_the_header_before_any_content():
+    """A packet claiming a huge numel is rejected by the expectation, before anything is sized by it."""
+    gamma = codecs.get("qsgd", bits=4, coding="gamma")
+    layout = wire.FrameLayout([(0, gamma, 64)], torch.float32, flags=False, entry="segment")
+    frame = layout.pack([gamma.encode(torch.randn(64))])
+    huge = patch(frame, 8, "<Q", 2**40)
+    with pytest.raises(WireError, match="segment 0: numel: got 1099511627776, expected 64"):
+        layout.unpack(huge)
+    with pytest.raises(WireError, match="codec: got 'qsgd', expected 'none'"):
+        wire.from_bytes(frame, wire.Expect.of(codecs.get("none"), 64, torch.float32))
+    with pytest.raises(WireError, match="dtype"):
+        wire.from_bytes(frame, wire.Expect.of(gamma, 64, torch.float16))

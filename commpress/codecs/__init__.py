@@ -35,8 +35,7 @@ _BY_ID = {cls.codec_id: cls for cls in _CLASSES}
 __all__ = [
     "Bf16Codec", "Codec", "Fp16Codec", "NoneCodec", "QSGDCodec", "RandomKCodec", "SignCodec",
     "TopKCodec", "available", "codec_class", "codec_class_by_id", "from_config", "from_spec", "get",
-    "parse_params",
-    "to_spec",
+    "parse_option", "parse_params", "parse_value", "to_spec",
 ]
 
 
@@ -75,7 +74,8 @@ def from_config(config: dict[str, Any]) -> Codec:
     return get(config["name"], **params)
 
 
-def _spec_value(text: str) -> Any:
+def parse_value(text: str) -> Any:
+    """One option value: ``true``/``false`` -> bool, ``none`` -> None, then int, float, else the text."""
     low = text.lower()
     if low in ("true", "false"):
         return low == "true"
@@ -89,15 +89,21 @@ def _spec_value(text: str) -> Any:
     return text
 
 
+def parse_option(item: str, what: str = "spec") -> tuple[str, Any]:
+    """One ``key=value`` option (value as :func:`parse_value` reads it); :class:`CodecError` naming ``what``."""
+    key, eq, val = item.partition("=")
+    if not eq or not key.strip():
+        raise CodecError(f"{what}: expected key=value, got {item!r}")
+    return key.strip(), parse_value(val.strip())
+
+
 def parse_params(text: str, what: str = "spec") -> dict[str, Any]:
-    """Parse ``key=value,...`` into a dict; values become bool, None, int or float when they read so."""
-    params: dict[str, Any] = {}
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        key, eq, val = item.partition("=")
-        if not eq or not key.strip():
-            raise CodecError(f"{what}: expected key=value, got {item!r}")
-        params[key.strip()] = _spec_value(val.strip())
-    return params
+    """Parse ``key=value,...`` into a dict; values become bool, None, int or float when they read so.
+
+    The package's one option syntax: codec specs (``topk:ratio=0.01``), demo methods, the CLI's
+    ``--param`` and the parameter server's fault specs all read options with it.
+    """
+    return dict(parse_option(item, what) for item in filter(None, (s.strip() for s in text.split(","))))
 
 
 def from_spec(spec: str) -> Codec:

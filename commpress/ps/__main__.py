@@ -20,8 +20,7 @@ from typing import Any
 from .config import MODES, PSConfig, codec_spec
 from .errors import ConfigError
 from .faults import parse_fault
-from .protocol import HEADER_NBYTES
-from .server import NONE
+from .protocol import DENSE, HEADER_NBYTES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,7 +100,7 @@ def summary(result: Any, cfg: PSConfig, workers: int) -> dict[str, Any]:
     per = list(st.get("per_server", []))
     busy = [sum(s["seconds"].values()) for s in per]
     dense = sum(  # what codec none would send: one message per shard
-        HEADER_NBYTES + sum(NONE.wire_size(seg.numel, result.layout.dtype) for seg in sh.segments)
+        HEADER_NBYTES + sum(DENSE.wire_size(seg.numel, result.layout.dtype) for seg in sh.segments)
         for sh in result.layout.shards
     )
     return {

@@ -54,7 +54,9 @@ class PSConfig:
             random-k, see :meth:`reply_codec`) or a spec; ``none`` sends the parameters.
         error_feedback: worker-side error feedback: ``auto`` (on for contractive codecs),
             ``on`` or ``off``.
-        min_compress: pieces of >= 2-D parameters with fewer elements travel dense.
+        min_compress: ``min_numel`` of the selection rule shared with DDP
+            (:class:`commpress.selection.SelectionRule`): pieces of >= 2-D parameters with fewer
+            elements, and all 1-D parameters, travel dense.
         max_drift: bound on ``||x_server - x_worker|| / ||x_server||`` per shard after every
             reply; an update that would leave more drift is replaced by the dense parameters.
         resync_every: also send dense parameters every this many replies (0: never).

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..codecs import parse_params
+from ..errors import CodecError
 from .errors import ConfigError, PSError
 from .protocol import HEADER, HEADER_NBYTES
 
@@ -64,27 +66,27 @@ class Fault:
 
 
 def parse_fault(spec: str) -> Fault:
-    """Parse ``kind:worker=W[,step=T][,seconds=S]``."""
+    """Parse ``kind:worker=W[,step=T][,seconds=S]`` (options read by :func:`commpress.codecs.parse_params`)."""
     kind, _, rest = spec.partition(":")
     if kind not in KINDS:
         raise ConfigError(f"fault {spec!r}: kind must be one of {', '.join(KINDS)}")
-    fields: dict[str, str] = {}
-    for item in filter(None, rest.split(",")):
-        key, eq, val = item.partition("=")
-        if not eq or key not in ("worker", "step", "seconds"):
-            raise ConfigError(f"fault {spec!r}: expected worker=, step= or seconds=, got {item!r}")
-        fields[key] = val
+    try:
+        fields = parse_params(rest, f"fault {spec!r}")
+    except CodecError as exc:
+        raise ConfigError(str(exc)) from None
+    for key in fields:
+        if key not in ("worker", "step", "seconds"):
+            raise ConfigError(f"fault {spec!r}: expected worker=, step= or seconds=, got {key}=")
     if "worker" not in fields:
         raise ConfigError(f"fault {spec!r}: worker= is required")
-    try:
-        return Fault(
-            kind,
-            int(fields["worker"]),
-            int(fields["step"]) if "step" in fields else None,
-            float(fields.get("seconds", "inf")),
-        )
-    except ValueError as exc:
-        raise ConfigError(f"fault {spec!r}: {exc}") from None
+    for key in ("worker", "step"):
+        val = fields.get(key, 0)
+        if not isinstance(val, int) or isinstance(val, bool) or val < 0:
+            raise ConfigError(f"fault {spec!r}: {key} must be an int >= 0, got {val!r}")
+    seconds = fields.get("seconds", float("inf"))
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not seconds >= 0:
+        raise ConfigError(f"fault {spec!r}: seconds must be a number >= 0, got {seconds!r}")
+    return Fault(kind, fields["worker"], fields.get("step"), float(seconds))
 
 
 def _reheader(msg: np.ndarray, **changes: int) -> np.ndarray:

@@ -16,17 +16,22 @@ offset  size  field
 24      8     ``nbytes``: payload length; must equal the received size minus 48
 32      4     ``crc32``: zlib CRC-32 of the payload (when ``CRC`` is set)
 36      4     ``reserved``: 0
-40      8     ``value``: a float64 (the worker's loss on pushes to shard 0, else 0)
+40      8     ``value``: a finite float64 (the worker's loss on pushes to shard 0 when
+              finite, else 0)
 ======  ====  ==============================================================
 
 Payloads of ``PUSH``, ``UPDATE``, ``PARAMS`` and ``SHARD`` are the shard's segments in
-order, each one packet in commpress's wire format (:mod:`commpress.wire`). The receiver
-knows every segment's codec and size from the shared :class:`~commpress.ps.sharding.Layout`,
-so it checks the exact total length first, then parses each packet with the strict
-:func:`commpress.wire.from_bytes`, then checks codec, dtype and element count per segment,
-and only then decodes. ``PULL`` carries the sender's 8-byte configuration fingerprint,
-``STOP`` a UTF-8 reason, ``STATS`` UTF-8 JSON. Any violation raises :class:`ProtocolError`
-naming the sender rank and the field.
+order, each one packet in commpress's wire format: a :class:`commpress.wire.FrameLayout`
+without flags (the frame container DDP uses too). The receiver knows every segment's codec,
+size and seed from the shared :class:`~commpress.ps.sharding.Layout`, so it checks the total
+length first, then each packet's header against its segment (codec, dtype, element count,
+parameters, seed), then the packet's content, and only then decodes. ``PULL`` carries the
+sender's 8-byte configuration fingerprint, ``STOP`` a UTF-8 reason, ``STATS`` UTF-8 JSON. Any
+violation raises :class:`ProtocolError` naming the sender rank and the field.
+
+Every constant both sides must agree on lives here: the header, the flags, the size limits,
+:data:`BROADCAST`, :data:`JOIN_GRACE`, and the codec seed of each segment
+(:func:`segment_seed`, built on :func:`commpress.rng.derive_seed`).
 """
 
 from __future__ import annotations
@@ -42,9 +47,11 @@ import numpy as np
 import torch
 
 from .. import wire
-from ..codecs import Codec
+from ..codecs import Codec, NoneCodec
 from ..codecs.base import all_finite
 from ..errors import CodecError, WireError
+from ..rng import derive_seed
+from ..wire.frame import FrameLayout
 from ..wire.packet import Packet
 from .errors import ProtocolError
 from .sharding import Segment, Shard
@@ -59,6 +66,20 @@ _KNOWN_FLAGS = FLAG_CRC | FLAG_SKIP
 MAX_TEXT_NBYTES = 1024
 MAX_STATS_NBYTES = 1 << 20
 FINGERPRINT_NBYTES = 8
+BROADCAST = 0xFFFFFFFF  #: ``worker`` field of a sync-mode reply that goes to every worker
+JOIN_GRACE = 60.0  #: extra seconds a worker gets for its first message (imports, data loading)
+DENSE = NoneCodec()  #: the codec of ``PARAMS``/``SHARD`` payloads and of uncompressed segments
+PUSH_SEED, PULL_SEED = 1, 2  #: the ``kind`` of :func:`segment_seed`
+
+
+def segment_seed(run_seed: int, kind: int, step: int, key: int, shard: int, segment: int) -> int:
+    """Codec seed of one segment: ``derive_seed(run_seed, kind, step, key, shard, segment)``.
+
+    ``kind`` is :data:`PUSH_SEED` (``key``: the pushing worker) or :data:`PULL_SEED` (``key``:
+    the addressed worker, :data:`BROADCAST` in sync mode). Worker and server compute it
+    independently; the receiver rejects a packet carrying another seed.
+    """
+    return derive_seed(run_seed, kind, step, key, shard, segment)
 
 
 class MsgType(IntEnum):
@@ -113,7 +134,10 @@ def build(
 
     With ``checksum`` the payload's CRC-32 is computed on the host, which needs the payload
     on the CPU; device buffers sent to a CUDA-aware MPI go without it (``checksum=False``).
+    A non-finite ``value`` raises ValueError: the receiver would reject the message.
     """
+    if not math.isfinite(value):
+        raise ValueError(f"value must be finite (the receiver rejects anything else), got {value}")
     tensors = [p if isinstance(p, torch.Tensor) else torch.frombuffer(bytearray(p), dtype=torch.uint8)
                for p in parts if len(p)]
     device = tensors[0].device if tensors else torch.device("cpu")
@@ -178,13 +202,21 @@ def parse_header(buf: np.ndarray, sender: int | None, allowed: frozenset[MsgType
 CodecFor = Callable[[Segment], Codec]
 
 
+def segment_layout(shard: Shard, codec_for: CodecFor, dtype: torch.dtype) -> FrameLayout:
+    """The frame layout of a payload carrying every segment of ``shard`` (no flags)."""
+    return FrameLayout(
+        [(i, codec_for(seg), seg.numel) for i, seg in enumerate(shard.segments)], dtype,
+        flags=False, what=f"shard {shard.index} payload", entry="segment",
+    )
+
+
 def payload_nbytes(shard: Shard, codec_for: CodecFor, dtype: torch.dtype) -> int:
     """Payload size of a message carrying every segment of ``shard``.
 
     Exact for fixed-size codecs, the largest possible with variable-length coding
     (e.g. ``qsgd:coding=gamma``).
     """
-    return sum(codec_for(seg).wire_size(seg.numel, dtype) for seg in shard.segments)
+    return segment_layout(shard, codec_for, dtype).nbytes
 
 
 def segment_parts(packets: Sequence[Packet]) -> list[torch.Tensor]:
@@ -199,47 +231,19 @@ def parse_segments(
     dtype: torch.dtype,
     sender: int | None,
     *,
-    seed_check: Callable[[int, int], bool] | None = None,
+    seeds: Sequence[int] | None = None,
 ) -> list[Packet]:
     """Split and validate a segment payload; return one packet per segment (views into it).
 
-    Nothing is decoded here, so a message that fails any check leaves no trace.
+    ``seeds``: the seed each segment's packet must carry (None: any). Nothing is decoded
+    here, so a message that fails any check leaves no trace.
     """
     data = payload if isinstance(payload, torch.Tensor) else torch.from_numpy(payload)
-    expected = payload_nbytes(shard, codec_for, dtype)
-    fixed = all(codec_for(seg).fixed_size for seg in shard.segments)
-    if data.numel() != expected if fixed else data.numel() > expected:
-        raise ProtocolError(
-            f"payload: {data.numel()} bytes, shard {shard.index} needs {'exactly' if fixed else 'at most'} "
-            f"{expected} ({len(shard.segments)} segments)", sender,
-        )
-    packets: list[Packet] = []
-    offset = 0
-    for i, seg in enumerate(shard.segments):
-        codec = codec_for(seg)
-        try:
-            # a variable-size packet's size is in its own (validated) header
-            size = codec.wire_size(seg.numel, dtype) if codec.fixed_size else wire.packet_extent(data[offset:])
-            packet = wire.from_bytes(data[offset : offset + size])
-        except (WireError, CodecError) as exc:
-            raise ProtocolError(f"segment {i}: {exc}", sender) from None
-        if packet.codec != codec.name:
-            raise ProtocolError(f"segment {i}: codec {packet.codec!r}, expected {codec.name!r}", sender)
-        if packet.numel != seg.numel:
-            raise ProtocolError(f"segment {i}: numel {packet.numel}, expected {seg.numel}", sender)
-        if packet.dtype != dtype:
-            raise ProtocolError(f"segment {i}: dtype {packet.dtype}, expected {dtype}", sender)
-        if packet.params != codec.wire_params(seg.numel):
-            raise ProtocolError(
-                f"segment {i}: codec params {packet.params}, expected {codec.wire_params(seg.numel)}", sender
-            )
-        if seed_check is not None and not seed_check(i, packet.seed):
-            raise ProtocolError(f"segment {i}: unexpected seed {packet.seed}", sender)
-        packets.append(packet)
-        offset += size
-    if offset != data.numel():
-        raise ProtocolError(f"payload: {data.numel() - offset} bytes after the last segment", sender)
-    return packets
+    try:
+        packets = segment_layout(shard, codec_for, dtype).unpack(data, seeds=seeds)
+    except (WireError, CodecError) as exc:
+        raise ProtocolError(str(exc), sender) from None
+    return [p for p in packets if p is not None]  # no flags: never None
 
 
 def decode_segments(

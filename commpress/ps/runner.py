@@ -22,6 +22,7 @@ from .config import PSConfig, codec_spec
 from .errors import ConfigError, ProtocolError, PSError
 from .faults import Fault, parse_fault
 from .protocol import (
+    DENSE,
     HEADER_NBYTES,
     MAX_STATS_NBYTES,
     TO_ROOT,
@@ -32,7 +33,7 @@ from .protocol import (
     payload_nbytes,
     segment_parts,
 )
-from .server import NONE, EventLog, ShardServer, gather_stats, serve
+from .server import EventLog, ShardServer, gather_stats, serve
 from .sharding import Layout, fingerprint
 from .worker import WorkerNode, WorkerOutcome, work
 
@@ -209,7 +210,7 @@ def _serve(task: Task, cfg: PSConfig, comm: Any, layout: Layout, model: torch.nn
                        seconds=time.monotonic() - t0, abandoned=abandoned)
     # final shards and stats to rank 0
     shard_msg = build(MsgType.SHARD, shard=s, worker=0, step=server.progress(),
-                      parts=segment_parts([NONE.encode(server.x[shard.local(seg)]) for seg in shard.segments]))
+                      parts=segment_parts([DENSE.encode(server.x[shard.local(seg)]) for seg in shard.segments]))
     stats_msg = build(MsgType.STATS, shard=s, worker=0, step=server.progress(),
                       parts=[json.dumps(own).encode()])
     from .transport import TAG_FINAL, Inbox, Outbox
@@ -224,7 +225,7 @@ def _serve(task: Task, cfg: PSConfig, comm: Any, layout: Layout, model: torch.nn
     full = torch.empty(layout.numel, dtype=layout.dtype)
     full[shard.start : shard.stop] = server.x
     all_stats = [own]
-    limit = HEADER_NBYTES + max(MAX_STATS_NBYTES, *(payload_nbytes(sh, lambda seg: NONE, layout.dtype) for sh in layout.shards))
+    limit = HEADER_NBYTES + max(MAX_STATS_NBYTES, *(payload_nbytes(sh, lambda seg: DENSE, layout.dtype) for sh in layout.shards))
     inbox = Inbox(comm, limit, TAG_FINAL)
     waiting = {(r, k) for r in range(1, layout.servers) for k in (MsgType.SHARD, MsgType.STATS)}
     deadline = time.monotonic() + 2 * cfg.timeout + 10
@@ -238,9 +239,9 @@ def _serve(task: Task, cfg: PSConfig, comm: Any, layout: Layout, model: torch.nn
             raise ProtocolError(f"final {head.type.name} for shard {head.shard}", src)
         if head.type == MsgType.SHARD:
             other = layout.shards[src]
-            packets = parse_segments(buf[HEADER_NBYTES:], other, lambda seg: NONE, layout.dtype, src)
+            packets = parse_segments(buf[HEADER_NBYTES:], other, lambda seg: DENSE, layout.dtype, src)
             for seg, p in zip(other.segments, packets):
-                NONE.decode(p, full[seg.start : seg.stop])
+                DENSE.decode(p, full[seg.start : seg.stop])
         else:
             all_stats.append(json.loads(buf[HEADER_NBYTES:].tobytes().decode()))
         waiting.discard((src, head.type))

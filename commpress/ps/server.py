@@ -22,14 +22,21 @@ is replaced by the dense parameters (``d' = 0``), so the bound holds after every
 async/ssp: any message once its reply went out) that stays silent for ``timeout`` seconds
 raises :class:`~commpress.ps.errors.WorkerTimeout` in sync mode, and is dropped in
 async/ssp mode (it no longer holds back ssp, and gets ``STOP`` if it comes back).
+
+**No single message stops the server.** Anything a peer sends that the run cannot accept
+(bad bytes, a first PULL with another configuration fingerprint or from another step, a
+BYE before joining or, in sync mode, before the last step) raises
+:class:`~commpress.ps.errors.ProtocolError`: the message is rejected, named and counted, and
+nothing changes. Only silence ends a sync run, and its :class:`WorkerTimeout` then quotes the
+last message rejected from that worker, so a misconfigured worker is still reported as such.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,13 +45,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..codecs import Codec, NoneCodec
-from ..rng import SEED_MASK
+from ..codecs import Codec
 from .config import PSConfig
-from .errors import ConfigError, ProtocolError, PSError, WorkerTimeout
+from .errors import ConfigError, ProtocolError, WorkerTimeout
 from .protocol import (
+    BROADCAST,
+    DENSE,
     FINGERPRINT_NBYTES,
     HEADER_NBYTES,
+    JOIN_GRACE,
+    PULL_SEED,
+    PUSH_SEED,
     TO_SERVER,
     MsgType,
     build,
@@ -53,28 +64,14 @@ from .protocol import (
     parse_segments,
     payload_nbytes,
     segment_parts,
+    segment_seed,
     text_payload,
 )
 from .sharding import Layout, Segment
 
-BROADCAST = 0xFFFFFFFF  #: ``worker`` field of a sync-mode reply that goes to every worker
-JOIN_GRACE = 60.0  #: extra seconds a worker gets for its first message (imports, data loading)
-NONE = NoneCodec()
+logger = logging.getLogger("commpress")
 
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
-
-
-def codec_seed(base: int, *parts: int) -> int:
-    """A 64-bit codec seed from the run seed and (kind, step, worker, shard, segment)."""
-    h = (base * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & SEED_MASK
-    for p in parts:
-        h ^= (p + 0x9E3779B97F4A7C15 + (h << 6) + (h >> 2)) & SEED_MASK
-        h = (h * 0xBF58476D1CE4E5B9) & SEED_MASK
-        h ^= h >> 31
-    return h
-
-
-PUSH_SEED, PULL_SEED = 1, 2
 
 
 @dataclass
@@ -175,17 +172,18 @@ class ShardServer:
         self.started = now()
         self.last_heard = [self.started] * workers
         self.last_loss: dict[int, float] = {}
+        self.last_rejected: dict[int, str] = {}  # worker -> reason of its last rejected message
         self.stats = Stats()
         self._push_size = payload_nbytes(self.shard, self._push_codec_for, self.dtype)
         self._update_size = payload_nbytes(self.shard, self._pull_codec_for, self.dtype)
-        self._params_size = payload_nbytes(self.shard, lambda s: NONE, self.dtype)
+        self._params_size = payload_nbytes(self.shard, lambda s: DENSE, self.dtype)
 
     # ----- helpers -------------------------------------------------------------------------
     def _push_codec_for(self, seg: Segment) -> Codec:
-        return self.push_codec if seg.compress else NONE
+        return self.push_codec if seg.compress else DENSE
 
     def _pull_codec_for(self, seg: Segment) -> Codec:
-        return self.pull_codec if seg.compress else NONE
+        return self.pull_codec if seg.compress else DENSE
 
     def rank_of(self, worker: int) -> int:
         """MPI rank of ``worker``."""
@@ -222,8 +220,8 @@ class ShardServer:
     def handle(self, sender: int, buf: np.ndarray) -> Out:
         """Process one message from MPI rank ``sender``; return ``(dest rank, message)`` pairs.
 
-        Raises :class:`ProtocolError` for a message to reject (nothing changed) and other
-        :class:`PSError` subclasses for conditions that end the run.
+        Raises :class:`ProtocolError` for a message to reject (nothing changed but the counters
+        and :attr:`last_rejected`); no message ends the run (only :meth:`check` does, on silence).
         """
         self.stats.msgs_in += 1
         self.stats.bytes_in += len(buf)
@@ -247,11 +245,15 @@ class ShardServer:
             return [(sender, self._stop(worker, reason))]
         if worker in self.done:
             raise ProtocolError(f"{head.type.name} after the worker said goodbye", sender)
-        if head.type == MsgType.PULL:
-            return self._on_pull(worker, head.step, payload, sender)
-        if head.type == MsgType.BYE:
-            return self._on_bye(worker, head.step, sender)
-        return self._on_push(worker, head.step, head.skip, head.value, payload, sender)
+        try:
+            if head.type == MsgType.PULL:
+                return self._on_pull(worker, head.step, payload, sender)
+            if head.type == MsgType.BYE:
+                return self._on_bye(worker, head.step, sender)
+            return self._on_push(worker, head.step, head.skip, head.value, payload, sender)
+        except ProtocolError as exc:
+            self.last_rejected[worker] = f"{head.type.name} at step {head.step}: {exc.reason}"
+            raise
 
     def _on_pull(self, worker: int, step: int, payload: np.ndarray, sender: int) -> Out:
         if len(payload) != FINGERPRINT_NBYTES:
@@ -264,15 +266,15 @@ class ShardServer:
                 raise ProtocolError(f"PULL fingerprint {fp:#018x} differs from the one this worker joined with", sender)
             if step != current:
                 raise ProtocolError(f"step: PULL at step {step}, the worker is at step {current}", sender)
-        elif fp != self.fingerprint:
-            raise ConfigError(
-                f"worker rank {sender} runs a different model, shard layout or codec setup "
-                f"(fingerprint {fp:#018x}, server {self.index} has {self.fingerprint:#018x})"
+        elif fp != self.fingerprint:  # not admitted; only its silence can end a sync run
+            raise ProtocolError(
+                f"fingerprint: worker rank {sender} runs a different model, shard layout or codec setup "
+                f"(fingerprint {fp:#018x}, server {self.index} has {self.fingerprint:#018x}); not admitted", sender,
             )
         elif self.mode == "sync" and step != self.step:
-            raise ConfigError(
-                f"worker rank {sender} starts at step {step} but server {self.index} is at step "
-                f"{self.step} (checkpoints from different steps?)"
+            raise ProtocolError(
+                f"step: worker rank {sender} starts at step {step} but server {self.index} is at step "
+                f"{self.step} (checkpoints from different steps?); not admitted", sender,
             )
         self.last_heard[worker] = self.now()
         self.joined.add(worker)
@@ -286,11 +288,16 @@ class ShardServer:
         return [(sender, self._params(worker, self.x, step, worker))]
 
     def _on_bye(self, worker: int, step: int, sender: int) -> Out:
+        if worker not in self.joined:
+            raise ProtocolError("BYE before the worker's first PULL", sender)
+        if self.mode == "sync" and step < self.cfg.steps:
+            raise ProtocolError(
+                f"BYE at step {step} of {self.cfg.steps}: sync mode cannot continue without this worker, so it is "
+                "still waited for (the run stops if it stays silent)", sender,
+            )
         self.done.add(worker)
         self.held.discard(worker)
         self.replica.pop(worker, None)
-        if self.mode == "sync" and step < self.cfg.steps:
-            raise PSError(f"worker rank {sender} left at step {step} of {self.cfg.steps}; sync mode cannot continue without it")
         self._event(event="bye", worker=worker, step=step)
         return self._release() if self.mode == "ssp" else []
 
@@ -310,10 +317,9 @@ class ShardServer:
             if len(payload):
                 raise ProtocolError("SKIP push with a payload", sender)
         else:
-            packets = parse_segments(
-                payload, self.shard, self._push_codec_for, self.dtype, sender,
-                seed_check=lambda i, s: s == codec_seed(self.cfg.seed, PUSH_SEED, step, worker, self.index, i),
-            )
+            seeds = [segment_seed(self.cfg.seed, PUSH_SEED, step, worker, self.index, i)
+                     for i in range(len(self.shard.segments))]
+            packets = parse_segments(payload, self.shard, self._push_codec_for, self.dtype, sender, seeds=seeds)
             t1 = time.perf_counter()
             self.stats.seconds["validate"] += t1 - t0
             grad = decode_segments(packets, self.shard, self._push_codec_for, torch.empty_like(self.x), sender)
@@ -383,7 +389,7 @@ class ShardServer:
 
     # ----- replies -------------------------------------------------------------------------
     def _params(self, key: int, values: torch.Tensor, step: int, worker: int, *, answer: bool = False) -> torch.Tensor:
-        packets = [NONE.encode(values[self.shard.local(seg)]) for seg in self.shard.segments]
+        packets = [DENSE.encode(values[self.shard.local(seg)]) for seg in self.shard.segments]
         msg = build(MsgType.PARAMS, shard=self.index, worker=worker, step=step, parts=segment_parts(packets))
         self.stats.params_replies += 1
         self._count_reply(msg, key, answer)
@@ -409,7 +415,7 @@ class ShardServer:
             delta = self.x - replica
             packets = [
                 self._pull_codec_for(seg).encode(delta[self.shard.local(seg)],
-                                                 seed=codec_seed(self.cfg.seed, PULL_SEED, step, key, self.index, i))
+                                                 seed=segment_seed(self.cfg.seed, PULL_SEED, step, key, self.index, i))
                 for i, seg in enumerate(self.shard.segments)
             ]
             decoded = torch.zeros_like(self.x)
@@ -451,18 +457,19 @@ class ShardServer:
             rank = self.rank_of(w)
             what = f"step {self.step}" if self.mode == "sync" else f"step {self.clock[w]}"
             if self.mode == "sync":
+                rejected = self.last_rejected.get(w)
                 raise WorkerTimeout(
                     f"worker rank {rank} (worker {w}) sent nothing for {silent:.1f} s (timeout "
                     f"{self.cfg.timeout:g} s) while server {self.index} waited for {what}; stopping "
-                    "all ranks: sync mode cannot continue without it", rank,
+                    "all ranks: sync mode cannot continue without it"
+                    + (f" (its last rejected message: {rejected})" if rejected else ""), rank,
                 )
             self.dropped[w] = now
             self.stats.dropped.append(rank)
             self.held.discard(w)
             self._event(event="drop", worker=w, step=self.clock[w], silent=round(silent, 3))
-            print(f"[commpress.ps server {self.index}] dropping worker rank {rank} (worker {w}): silent for "
-                  f"{silent:.1f} s at {what} (timeout {self.cfg.timeout:g} s); continuing without it",
-                  file=sys.stderr, flush=True)
+            logger.warning("[commpress.ps server %d] dropping worker rank %d (worker %d): silent for %.1f s at %s "
+                           "(timeout %g s); continuing without it", self.index, rank, w, silent, what, self.cfg.timeout)
             out.append((rank, self._stop(w, f"dropped by server {self.index} after {silent:.1f} s of silence")))
             if self.mode == "ssp":
                 out.extend(self._release())
@@ -559,7 +566,7 @@ def serve(
     goodbye; the ranks of those that never do are returned (they may hang: the caller ends
     the job). ``bar`` is a tqdm-like progress bar (rank 0), ``save(step, state)`` writes a
     checkpoint. Raises :class:`WorkerTimeout` and other fatal :class:`PSError`; rejected
-    messages are reported on stderr and counted. Liveness is checked at least every 50 ms,
+    messages are logged (``commpress`` logger) and counted. Liveness is checked at least every 50 ms,
     also while messages keep arriving.
     """
     from .transport import Backoff, Inbox, Outbox
@@ -625,9 +632,8 @@ def _reject(server: ShardServer, exc: ProtocolError) -> None:
     server.stats.rejected[rank] = n
     server._event(event="reject", rank=rank, reason=exc.reason)
     if n <= 10 or n % 100 == 0:
-        print(f"[commpress.ps server {server.index}] rejected a message from rank {rank}: {exc.reason}"
-              + (" (further rejections from this rank are counted, printed every 100th)" if n == 10 else ""),
-              file=sys.stderr, flush=True)
+        logger.warning("[commpress.ps server %d] rejected a message from rank %d: %s%s", server.index, rank, exc.reason,
+                       " (further rejections from this rank are counted, logged every 100th)" if n == 10 else "")
 
 
 def _update_bar(bar: Any, server: ShardServer, elapsed: float) -> None:

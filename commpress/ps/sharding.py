@@ -8,10 +8,11 @@ shards. Inside a shard:
 * **pieces** are the intersections of parameters with the shard: the server's optimizer
   sees one tensor per piece (the parameter's own shape when the piece is the whole
   parameter, 1-D otherwise), so per-parameter optimizer state keeps its meaning;
-* **segments** are the units a codec encodes: each piece of a >= 2-D parameter with at least
-  ``min_compress`` elements is compressed on its own (one scale per tensor, as the design
-  notes ask), and runs of the other pieces (biases, norms, tiny tensors) are merged into one
-  dense segment sent as ``none``.
+* **segments** are the units a codec encodes: each piece that the shared selection rule
+  (:class:`commpress.selection.SelectionRule`, the one DDP uses, with ``min_numel =
+  min_compress``) picks, judged by its parameter's shape and the piece's own element count, is
+  compressed on its own (one scale per tensor, as the design notes ask), and runs of the
+  other pieces (biases, norms, tiny tensors) are merged into one dense segment sent as ``none``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ..selection import SelectionRule
 from .errors import ConfigError
 
 
@@ -128,6 +130,7 @@ class Layout:
         self.numel = offset
         self.servers = servers
         self.min_compress = min_compress
+        self.rule = SelectionRule(min_numel=min_compress)
         if self.numel < servers:
             raise ConfigError(f"the model has {self.numel} elements, fewer than the {servers} shards")
         self.shards = tuple(self._shard(s) for s in range(servers))
@@ -153,7 +156,7 @@ class Layout:
                 pieces.append(Piece(i, p.name, a, b, p.shape if whole else (b - a,)))
         segments: list[Segment] = []
         for piece in pieces:
-            compress = len(self.params[piece.param].shape) >= 2 and piece.numel >= self.min_compress
+            compress = self.rule(piece.name, self.params[piece.param].shape, piece.numel)
             last = segments[-1] if segments else None
             if not compress and last is not None and not last.compress and last.stop == piece.start:
                 segments[-1] = Segment(last.start, piece.stop, False)

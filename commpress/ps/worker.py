@@ -7,7 +7,7 @@ loop around it.
 
 Per step t: ``g = grad(loss(model, batch(w, t)))``; for each shard, each segment is encoded
 (compressed segments through error feedback, ``c = g + e``, ``e = c - decode(C(c))``; the
-others dense) with the seed ``codec_seed(seed, PUSH, t, w, shard, segment)`` the server
+others dense) with the seed ``segment_seed(seed, PUSH_SEED, t, w, shard, segment)`` the server
 checks; one message per shard goes out; then the worker waits for every server's reply
 (``UPDATE``: add the decoded update; ``PARAMS``: copy; ``STOP``: leave) before step t + 1.
 
@@ -17,7 +17,8 @@ decoded on the host (bit-identical to the server's replica), then copied to the 
 
 from __future__ import annotations
 
-import sys
+import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,9 +34,14 @@ from . import faults as faults_mod
 from .config import PSConfig
 from .errors import ConfigError, ProtocolError, PSError, ServerTimeout
 from .protocol import (
+    BROADCAST,
+    DENSE,
     FLAG_SKIP,
     HEADER_NBYTES,
+    JOIN_GRACE,
     MAX_TEXT_NBYTES,
+    PULL_SEED,
+    PUSH_SEED,
     TO_WORKER,
     MsgType,
     build,
@@ -45,9 +51,11 @@ from .protocol import (
     parse_text,
     payload_nbytes,
     segment_parts,
+    segment_seed,
 )
-from .server import BROADCAST, JOIN_GRACE, NONE, PULL_SEED, PUSH_SEED, codec_seed
 from .sharding import Layout, Segment
+
+logger = logging.getLogger("commpress")
 
 
 class WorkerNode:
@@ -88,16 +96,16 @@ class WorkerNode:
         self.reply_bytes = 0
 
     def _push_codec_for(self, seg: Segment) -> Codec:
-        return self.push_codec if seg.compress else NONE
+        return self.push_codec if seg.compress else DENSE
 
     def _pull_codec_for(self, seg: Segment) -> Codec:
-        return self.pull_codec if seg.compress else NONE
+        return self.pull_codec if seg.compress else DENSE
 
     def max_reply(self) -> int:
         """Largest valid message a server can send this worker (the receive limit)."""
         sizes = [MAX_TEXT_NBYTES]
         for shard in self.layout.shards:
-            sizes.append(payload_nbytes(shard, lambda s: NONE, self.layout.dtype))
+            sizes.append(payload_nbytes(shard, lambda s: DENSE, self.layout.dtype))
             sizes.append(payload_nbytes(shard, self._pull_codec_for, self.layout.dtype))
         return HEADER_NBYTES + max(sizes)
 
@@ -124,14 +132,14 @@ class WorkerNode:
         """PUSH messages (one per server) carrying ``grad`` (flat) for ``step``.
 
         A non-finite gradient is not sent: every push is flagged SKIP and the error-feedback
-        memory is left untouched (see :mod:`commpress.feedback`).
+        memory is left untouched (see :mod:`commpress.feedback`). A non-finite ``loss`` is
+        reported as 0 (the header's ``value`` must be finite).
         """
         out = []
         finite = all_finite(grad)
         if not finite:
             self.skipped_steps += 1
-            print(f"[commpress.ps worker {self.worker}] non-finite gradient at step {step}: push skipped",
-                  file=sys.stderr, flush=True)
+            logger.warning("[commpress.ps worker %d] non-finite gradient at step %d: push skipped", self.worker, step)
         for shard in self.layout.shards:
             packets = []
             skip = not finite
@@ -139,7 +147,7 @@ class WorkerNode:
                 if skip:
                     break
                 x = grad[seg.start : seg.stop]
-                seed = codec_seed(self.cfg.seed, PUSH_SEED, step, self.worker, shard.index, i)
+                seed = segment_seed(self.cfg.seed, PUSH_SEED, step, self.worker, shard.index, i)
                 if seg.compress and self.ef is not None:
                     packet = self.ef.compress(f"{shard.index}.{i}", x, seed=seed)
                     if packet is None:  # g + e overflowed: this shard's push is skipped
@@ -153,7 +161,7 @@ class WorkerNode:
                 parts = [p.cpu() for p in parts]
             msg = build(
                 MsgType.PUSH, shard=shard.index, worker=self.worker, step=step, parts=parts,
-                value=loss if shard.index == 0 else 0.0, flags=FLAG_SKIP if skip else 0,
+                value=loss if shard.index == 0 and math.isfinite(loss) else 0.0, flags=FLAG_SKIP if skip else 0,
                 checksum=self.checksum,
             )
             self.push_bytes += msg.numel()
@@ -180,12 +188,11 @@ class WorkerNode:
             raise ProtocolError(f"step: reply for step {head.step}, expected step {step}", server)
         shard = self.layout.shards[server]
         update = head.type == MsgType.UPDATE
-        codec_for = self._pull_codec_for if update else (lambda s: NONE)
+        codec_for = self._pull_codec_for if update else (lambda s: DENSE)
         key = BROADCAST if self.cfg.mode == "sync" else self.worker
-        packets = parse_segments(
-            payload, shard, codec_for, self.layout.dtype, server,
-            seed_check=(lambda i, s: s == codec_seed(self.cfg.seed, PULL_SEED, step, key, server, i)) if update else None,
-        )
+        seeds = [segment_seed(self.cfg.seed, PULL_SEED, step, key, server, i)
+                 for i in range(len(shard.segments))] if update else None
+        packets = parse_segments(payload, shard, codec_for, self.layout.dtype, server, seeds=seeds)
         scratch = decode_segments(packets, shard, codec_for, torch.zeros(shard.numel, dtype=self.layout.dtype), server)
         target = self.flat[shard.start : shard.stop]
         if update:
@@ -300,7 +307,7 @@ def work(
             outcome.stopped = stop
         else:
             outcome.stopped = stop
-            print(f"[commpress.ps worker {node.worker}] stopping at step {step}: {stop}", file=sys.stderr, flush=True)
+            logger.warning("[commpress.ps worker %d] stopping at step %d: %s", node.worker, step, stop)
     except faults_mod.Vanish:
         outcome.vanished = True
         outcome.steps_done = step

@@ -36,7 +36,7 @@ from __future__ import annotations
 import struct
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -67,6 +67,26 @@ def packet_nbytes(layout: Sequence[Section]) -> int:
     Exact when no section is variable; otherwise the largest size such a packet can have.
     """
     return HEADER_NBYTES + ALIGN * len(layout) + sum(_align(s.nbytes) for s in layout)
+
+
+class Expect(NamedTuple):
+    """What a receiver knows a packet must be: compared with its header before anything else.
+
+    A receiver always knows which tensor it is waiting for, so nothing read from the bytes
+    (a codec, a parameter, an element count that sizes a buffer) is trusted before it has been
+    found equal to this. ``seed`` None: any seed.
+    """
+
+    codec: str
+    dtype: torch.dtype
+    numel: int
+    params: tuple[int, int]
+    seed: int | None = None
+
+    @classmethod
+    def of(cls, codec: Codec, numel: int, dtype: torch.dtype, seed: int | None = None) -> Expect:
+        """The expectation for ``codec`` encoding ``numel`` elements of ``dtype``."""
+        return cls(codec.name, dtype, numel, codec.wire_params(numel), seed)
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -132,11 +152,23 @@ def _view(buf: torch.Tensor, offset: int, section: Section) -> torch.Tensor:
     return raw.view(section.dtype)
 
 
-def _parse_head(data: torch.Tensor) -> tuple[type[Codec], torch.dtype, int, int, tuple[int, int], list[Section]]:
+def _check_expected(expect: Expect, name: str, dtype: torch.dtype, numel: int, params: tuple[int, int], seed: int) -> None:
+    for field, got, want in (("codec", name, expect.codec), ("dtype", dtype, expect.dtype),
+                             ("numel", numel, expect.numel), ("params", params, expect.params)):
+        if got != want:
+            raise WireError(f"{field}: got {got!r}, expected {want!r}")
+    if expect.seed is not None and seed != expect.seed:
+        raise WireError(f"seed: got {seed}, expected {expect.seed}")
+
+
+def _parse_head(
+    data: torch.Tensor, expect: Expect | None = None
+) -> tuple[type[Codec], torch.dtype, int, int, tuple[int, int], list[Section]]:
     """Validate a packet's header and section table; return what they say.
 
     Returns ``(codec class, dtype, numel, seed, params, layout)`` with the layout's variable
-    sections set to their declared lengths. Reads only the header and the table.
+    sections set to their declared lengths. Reads only the header and the table. With
+    ``expect`` the header must say exactly that, checked before any size is computed from it.
     """
     from ..codecs import codec_class_by_id  # late import: the codecs import this module
 
@@ -156,6 +188,8 @@ def _parse_head(data: torch.Tensor) -> tuple[type[Codec], torch.dtype, int, int,
     if dtype is None:
         raise WireError(f"dtype: unknown dtype code {dtype_code}")
     params = (p0, p1)
+    if expect is not None:
+        _check_expected(expect, cls.name, dtype, numel, params, seed)
     cls.check_wire_params(numel, params)  # raises WireError naming the parameter
     layout = cls.layout(numel, dtype, params)
     if nsections != len(layout):
@@ -177,29 +211,42 @@ def _parse_head(data: torch.Tensor) -> tuple[type[Codec], torch.dtype, int, int,
     return cls, dtype, numel, seed, params, layout
 
 
-def packet_extent(buf: torch.Tensor | bytes | bytearray | memoryview) -> int:
+def packet_extent(buf: torch.Tensor | bytes | bytearray | memoryview, expect: Expect | None = None) -> int:
     """Size in bytes of the packet that starts ``buf`` (read from its validated header).
 
     ``buf`` may continue past the packet (several packets in one message); only the header and
     section table are read. Raises :class:`WireError` like :func:`from_bytes`.
     """
     data = _as_uint8(buf)
-    return packet_nbytes(_parse_head(data)[5])
+    return packet_nbytes(_parse_head(data, expect)[5])
 
 
-def from_bytes(buf: torch.Tensor | bytes | bytearray | memoryview) -> Packet:
+def from_bytes(buf: torch.Tensor | bytes | bytearray | memoryview, expect: Expect | None = None) -> Packet:
     """Parse and validate one packet; raise :class:`WireError` naming the first bad field.
 
-    The returned sections are views into ``buf`` where alignment allows (zero copy).
+    With ``expect`` the header must describe exactly the expected tensor (checked first, so
+    no allocation or decode is ever sized by an unexpected header). The returned sections are
+    views into ``buf`` where alignment allows (zero copy).
+    """
+    return read_packet(buf, expect, trailing=False)[0]
+
+
+def read_packet(
+    buf: torch.Tensor | bytes | bytearray | memoryview, expect: Expect | None = None, *, trailing: bool = True
+) -> tuple[Packet, int]:
+    """Parse the packet that starts ``buf``; return it and its size in bytes.
+
+    With ``trailing`` (the default) ``buf`` may continue past the packet: that is how several
+    variable-size packets are read back from one message (:mod:`commpress.wire.frame`).
     """
     data = _as_uint8(buf)
     total = data.numel()
-    cls, dtype, numel, seed, params, layout = _parse_head(data)
+    cls, dtype, numel, seed, params, layout = _parse_head(data, expect)
     table_end = HEADER_NBYTES + ALIGN * len(layout)
     expected = packet_nbytes(layout)
     if total < expected:
         raise WireError(f"truncated: packet needs {expected} bytes, got {total}")
-    if total > expected:
+    if total > expected and not trailing:
         raise WireError(f"oversized: packet is {expected} bytes, got {total} (trailing data)")
     sections: dict[str, torch.Tensor] = {}
     offset = table_end
@@ -212,4 +259,4 @@ def from_bytes(buf: torch.Tensor | bytes | bytearray | memoryview) -> Packet:
         offset = pad_end
     packet = Packet(cls.name, dtype, numel, params, seed, sections)
     cls.check_content(packet)  # raises WireError naming the section
-    return packet
+    return packet, expected

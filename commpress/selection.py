@@ -1,0 +1,56 @@
+"""Which tensors travel compressed: the one rule shared by the DDP hook and the parameter server.
+
+Tiny tensors and 1-D tensors (biases, norm scales) cost almost nothing to send dense, while
+compressing them hurts most (a top-1% of a 64-element bias is one number; one sign scale per
+LayerNorm mixes unrelated channels; see the design notes' measurements). So a tensor is
+compressed only when it has at least two dimensions (unless ``dense_1d`` is off) and at
+least ``min_numel`` elements.
+
+``numel`` may be smaller than the parameter's: the parameter server decides per *piece* of a
+parameter (the part inside one shard), still judged by the parameter's shape, so a matrix cut
+by a shard boundary keeps its pieces compressed only while each is big enough.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+#: DDP's default ``min_numel`` (``CompressionState``); the parameter server's ``min_compress``
+#: option is the same threshold with its own default.
+DEFAULT_MIN_NUMEL = 1024
+
+
+@dataclass(frozen=True)
+class SelectionRule:
+    """Compress a tensor iff it has >= 2 dims (or ``dense_1d`` is False) and >= ``min_numel`` elements."""
+
+    min_numel: int = DEFAULT_MIN_NUMEL
+    dense_1d: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.min_numel, int) or isinstance(self.min_numel, bool) or self.min_numel < 0:
+            raise ValueError(f"min_numel must be an int >= 0, got {self.min_numel!r}")
+        if not isinstance(self.dense_1d, bool):
+            raise ValueError(f"dense_1d must be a bool, got {self.dense_1d!r}")
+
+    def __call__(self, name: str, shape: Sequence[int], numel: int | None = None) -> bool:
+        """Whether the tensor ``name`` of ``shape`` (``numel`` elements of it, default all) is compressed.
+
+        ``name`` is not used by the default rule; it is part of the signature so that custom
+        rules (DDP's ``compress_filter``) can select by name.
+        """
+        if self.dense_1d and len(shape) <= 1:
+            return False
+        n = math.prod(shape) if numel is None else numel
+        return n >= self.min_numel
+
+
+def compress(name: str, shape: Sequence[int], numel: int | None = None, *,
+             min_numel: int = DEFAULT_MIN_NUMEL, dense_1d: bool = True) -> bool:
+    """:class:`SelectionRule` as a function: ``compress("fc.weight", (256, 784))`` -> True."""
+    return SelectionRule(min_numel, dense_1d)(name, shape, numel)
+
+
+__all__ = ["DEFAULT_MIN_NUMEL", "SelectionRule", "compress"]
