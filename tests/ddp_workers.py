@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commpress
 import commpress.ddp
-from commpress.collectives import all_gather_single
+from commpress.comm import all_gather_single
 
 BUCKET_CAP_MB = 0.05  # ~13k float32 per bucket: the Net below makes 4 buckets after the rebuild
 COLLECTIVE_TIMEOUT_S = 90  # a hang inside gloo raises instead of blocking the suite

@@ -17,7 +17,8 @@ import torch
 
 import commpress
 import commpress.ddp
-from commpress.collectives import derive_seed, piece_bounds
+from commpress.comm import piece_bounds
+from commpress.rng import derive_seed
 
 import ddp_workers as w
 
@@ -128,7 +129,7 @@ def test_convergence_on_digits_matches_dense(tmp_path: Path) -> None:
 
 
 def test_frame_roundtrip_and_hostile_bytes() -> None:
-    from commpress.collectives import FrameLayout
+    from commpress.wire.frame import FrameLayout
 
     topk = commpress.codecs.get("topk", ratio=0.1)
     dense = commpress.codecs.get("none")

@@ -35,13 +35,3 @@ def test_mix64_matches_the_vectorised_hash():
     with np.errstate(over="ignore"):
         vec = rng._mix64(np.array(zs, dtype=np.uint64))
     assert [rng.mix64(z) for z in zs] == [int(v) for v in vec]
-
-
-def test_derive_seed_equals_the_ddp_one_while_that_exists():
-    collectives = pytest.importorskip("commpress.collectives")
-    old = getattr(collectives, "derive_seed", None)
-    if old is None or old is rng.derive_seed:
-        pytest.skip("DDP already uses commpress.rng.derive_seed")
-    for base in (0, 1, 7, 2**64 - 1, 2**66 + 3):
-        for parts in ((), (0,), (1, 2), (5, 0, 9), (2**64 + 1, 3)):
-            assert rng.derive_seed(base, *parts) == old(base, *parts)

@@ -146,6 +146,28 @@ class Codec(ABC):
     #: :meth:`_decode_into` overwrites ``out`` when not accumulating (so no zero fill first).
     _decode_writes: ClassVar[bool] = False
 
+    # ----- capabilities the collectives choose by (commpress.comm never type-tests codecs) ---
+    #: Packets of one tensor encoded with the same seed can be summed value by value (an
+    #: all-reduce of :meth:`summable_values`): the cast codecs, and random-k's shared indices.
+    summable: ClassVar[bool] = False
+    #: A dtype the whole buffer is cast to for a plain all-reduce (fp16/bf16), or None.
+    cast_dtype: ClassVar[torch.dtype | None] = None
+    #: Every element is represented (a quantizer), so an average can be re-encoded at the same
+    #: size: the two-phase all-reduce suits it. Sparse codecs all-gather instead.
+    reencodable: ClassVar[bool] = False
+
+    def block_alignment(self) -> int:
+        """Elements per scale block: pieces of a tensor cut for a collective keep this alignment."""
+        return 1
+
+    def summable_values(self, packet: Packet) -> torch.Tensor:
+        """The values an all-reduce sums (codecs with :attr:`summable` only)."""
+        raise CodecError(f"codec {self.name!r} has no summable values")
+
+    def packet_from_values(self, values: torch.Tensor, numel: int, dtype: torch.dtype, seed: int) -> Packet:
+        """The packet whose :meth:`summable_values` are ``values`` (inverse of that view)."""
+        raise CodecError(f"codec {self.name!r} has no summable values")
+
     # ----- configuration -------------------------------------------------------------------
     @abstractmethod
     def config(self) -> dict[str, Any]:

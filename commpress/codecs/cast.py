@@ -55,6 +55,8 @@ class Fp16Codec(_CastCodec):
     name = "fp16"
     codec_id = 2
     wire_dtype = torch.float16
+    cast_dtype = torch.float16
+    summable = True
     overflow_hint = "use the bf16 codec, which has float32's range"
 
 
@@ -64,4 +66,6 @@ class Bf16Codec(_CastCodec):
     name = "bf16"
     codec_id = 3
     wire_dtype = torch.bfloat16
+    cast_dtype = torch.bfloat16
+    summable = True
     overflow_hint = "use the none codec for float64 values this large"

@@ -16,6 +16,7 @@ class NoneCodec(Codec):
     name = "none"
     codec_id = 1
     unbiased = True
+    summable = True
 
     def config(self) -> dict[str, Any]:
         """Return ``{"name": "none"}``."""

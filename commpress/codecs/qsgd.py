@@ -80,6 +80,7 @@ class QSGDCodec(Codec):
 
     name = "qsgd"
     codec_id = 7
+    reencodable = True
     unbiased = True
     stochastic = True
 
@@ -106,6 +107,10 @@ class QSGDCodec(Codec):
     def fixed_size(self) -> bool:
         """False with ``coding="gamma"``: the packet size depends on the data."""
         return self.coding == "fixed"
+
+    def block_alignment(self) -> int:
+        """One norm per ``bucket_size`` elements: pieces are cut on bucket boundaries."""
+        return self.bucket_size
 
     def config(self) -> dict[str, Any]:
         """Return ``{"name": "qsgd", "bits", "levels", "bucket_size"}``, plus ``coding`` unless fixed."""

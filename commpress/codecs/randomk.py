@@ -60,6 +60,7 @@ class RandomKCodec(Codec):
     name = "randomk"
     codec_id = 5
     stochastic = True
+    summable = True  # every rank draws the same indices from the shared seed
 
     def __init__(self, ratio: float | None = None, k: int | None = None, scaled: bool = False) -> None:
         # Unscaled by default (then error feedback is on): scaling by d/k makes the estimate
@@ -77,6 +78,14 @@ class RandomKCodec(Codec):
         self.ratio = None if ratio is None else float(ratio)
         self.k = k
         self.scaled = scaled
+
+    def summable_values(self, packet: Packet) -> torch.Tensor:
+        """The k values (their indices follow from the seed, the same on every rank)."""
+        return packet.sections["values"]
+
+    def packet_from_values(self, values: torch.Tensor, numel: int, dtype: torch.dtype, seed: int) -> Packet:
+        """A packet holding summed ``values`` at the indices of ``seed``."""
+        return Packet(self.name, dtype, numel, self.wire_params(numel), seed, {"values": values})
 
     @property
     def unbiased(self) -> bool:  # type: ignore[override]

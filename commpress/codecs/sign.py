@@ -51,6 +51,11 @@ class SignCodec(Codec):
 
     name = "sign"
     codec_id = 6
+    reencodable = True
+
+    def block_alignment(self) -> int:
+        """One scale per ``block_size`` elements: pieces are cut on block boundaries."""
+        return self.block_size or 1
 
     def __init__(self, block_size: int = 0) -> None:
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 0:

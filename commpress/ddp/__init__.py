@@ -6,7 +6,7 @@ returns its :class:`CompressionState` (statistics, checkpointing); equivalently:
     state = commpress.ddp.CompressionState(ddp_model, "topk", ratio=0.01)
     ddp_model.register_comm_hook(state, commpress.ddp.hook)
 
-See :class:`CompressionState` for the options and :mod:`commpress.collectives` for the
+See :class:`CompressionState` for the options and :mod:`commpress.comm` for the
 algorithms, their ordering guarantee and the non-finite policy.
 """
 

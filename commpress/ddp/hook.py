@@ -6,7 +6,7 @@
 import torch
 import torch.distributed as dist
 
-from .. import collectives
+from .. import comm
 from .state import CompressionState
 
 
@@ -20,7 +20,7 @@ def hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Futu
        gradient by its local velocity (momentum correction);
     2. during warm-up (``state.step < state.warmup_steps``): a plain dense all-reduce;
        otherwise derive each parameter's seed from ``(state.seed, step, parameter index)``;
-    3. run the codec's collective algorithm (:func:`commpress.collectives.run`): error
+    3. run the codec's collective algorithm (:func:`commpress.comm.run`): error
        feedback and encoding happen here, on DDP's thread, and every collective is issued
        from here in order; the returned future decodes the average into ``bucket.buffer()``;
     4. every few steps, measure residual vs input norms for the divergence guard
@@ -33,17 +33,18 @@ def hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Futu
     """
     buffer = bucket.buffer()
     plan = state.bucket_plan(bucket.parameters(), buffer.numel())
+    state.before_bucket()
     if state.momentum_rules:
         state.apply_momentum(plan, buffer)
     if state.dense_step():
         state.flush_residuals(plan, buffer)  # a guard's dense step sends what was held back
-        fut = collectives.allreduce_mean(buffer, group=state.process_group, stats=state.counters)
+        fut = comm.allreduce_mean(buffer, group=state.process_group, stats=state.counters)
     else:
         measured = state.guard.due(state.step)
         input_sq = state.norms_sq(plan, buffer) if measured else 0.0
         seeds = [state.param_seed(p) for p in plan.params]
         slots = plan.slots(state.codec, seeds, state.feedback)
-        fut = collectives.run(
+        fut = comm.run(
             state.algorithm, buffer, slots, group=state.process_group,
             server_feedback=state.server_feedback, stats=state.counters,
         )

@@ -24,6 +24,7 @@ param groups have ``momentum`` / ``dampening`` / ``nesterov``):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -106,4 +107,111 @@ def check_rule(value: Any, what: str) -> MomentumRule:
     return MomentumRule(float(m), float(d), nesterov)
 
 
-__all__ = ["GROUP_KEY", "MomentumRule", "check_rule", "has_momentum", "is_sgd_like", "take_over_momentum"]
+
+
+# ----- Adam / AdamW: compressed momentum with the variance frozen after warm-up ----------------
+def is_adam_like(optimizer: torch.optim.Optimizer) -> bool:
+    """True for Adam-style optimizers (every group has ``betas`` and ``eps``)."""
+    return all("betas" in g and "eps" in g for g in optimizer.param_groups)
+
+
+def adam_unsupported(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why the compressed-momentum mode cannot drive ``optimizer`` (None when it can)."""
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return f"{type(optimizer).__name__} is not torch.optim.Adam/AdamW"
+    decoupled = isinstance(optimizer, torch.optim.AdamW)
+    for g in optimizer.param_groups:
+        for flag in ("amsgrad", "maximize", "capturable", "differentiable"):
+            if g.get(flag):
+                return f"{flag}=True is not supported"
+        if g.get("weight_decay") and not (decoupled or g.get("decoupled_weight_decay")):
+            return "Adam's L2 weight decay (use AdamW)"
+    return None
+
+
+class FrozenVarianceAdam:
+    """1-bit Adam's recipe (Tang et al., 2021) on a user's ``torch.optim.Adam`` / ``AdamW``.
+
+    During the dense warm-up the optimizer runs unchanged and its second moment ``v`` settles.
+    Then, for the compressed parameters, the hook keeps each rank's momentum
+    ``m = b1*m + (1-b1)*g`` (started from the optimizer's ``exp_avg``) and sends it through
+    error feedback; the averaged momentum arrives as the gradient, and a step pre-hook applies
+    ``p -= lr * (m/bc1) / (sqrt(v/bc2) + eps)`` with ``v`` frozen (``bc2`` from the step at
+    which it froze; each coordinate held to Adam's own bound ``(1-b1)/sqrt(1-b2)``, which a
+    compressed momentum can exceed where ``v`` froze near zero), decoupled weight decay first, and writes ``m`` into ``exp_avg`` so the
+    optimizer's state_dict holds what was applied. It then hides those gradients from the
+    optimizer's own step (restored right after), so the optimizer updates only the dense ones.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, compressed: Mapping[int, str], freeze_step: int) -> None:
+        self.optimizer = optimizer
+        self.compressed = dict(compressed)  # id(param) -> name
+        self.freeze_step = freeze_step
+        self.active = False
+        self._hidden: dict[torch.Tensor, torch.Tensor] = {}
+        optimizer.register_step_pre_hook(self._pre_step)
+        optimizer.register_step_post_hook(self._post_step)
+
+    def rules(self) -> dict[str, MomentumRule]:
+        """``m = b1*m + (1-b1)*g`` for every compressed parameter: momentum b1, dampening b1."""
+        out = {}
+        for g in self.optimizer.param_groups:
+            b1 = float(g["betas"][0])
+            for p in g["params"]:
+                name = self.compressed.get(id(p))
+                if name is not None:
+                    out[name] = MomentumRule(b1, b1, False)
+        return out
+
+    def momenta(self) -> dict[str, torch.Tensor]:
+        """The optimizer's ``exp_avg`` per compressed parameter (the hook's starting momentum)."""
+        out = {}
+        for g in self.optimizer.param_groups:
+            for p in g["params"]:
+                name = self.compressed.get(id(p))
+                m = self.optimizer.state.get(p, {}).get("exp_avg")
+                if name is not None and isinstance(m, torch.Tensor):
+                    out[name] = m
+        return out
+
+    def _pre_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        if not self.active:
+            return
+        for g in optimizer.param_groups:
+            lr, (b1, b2), eps, wd = float(g["lr"]), g["betas"], float(g["eps"]), float(g.get("weight_decay", 0.0))
+            for p in g["params"]:
+                if id(p) not in self.compressed or p.grad is None:
+                    continue
+                st = optimizer.state.get(p, {})
+                if "exp_avg_sq" not in st:  # no warm-up state yet: the optimizer's own step
+                    continue
+                st["step"] += 1
+                step = float(st["step"])
+                with torch.no_grad():
+                    st["exp_avg"].copy_(p.grad)
+                    denom = (st["exp_avg_sq"].sqrt() / math.sqrt(1.0 - b2**self.freeze_step)).add_(eps)
+                    update = st["exp_avg"].div(denom).div_(1.0 - b1**step)
+                    # Adam's own update never exceeds (1-b1)/sqrt(1-b2) per coordinate; a compressed
+                    # momentum can (sign gives +-scale where v froze near 0): hold it to Adam's bound
+                    bound = (1.0 - b1) / math.sqrt(1.0 - b2)
+                    update.clamp_(-bound, bound)
+                    if wd:
+                        p.mul_(1.0 - lr * wd)
+                    p.add_(update, alpha=-lr)
+                self._hidden[p] = p.grad
+                p.grad = None
+
+    def _post_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        for p, grad in self._hidden.items():
+            p.grad = grad
+        self._hidden.clear()
+
+
+#: Dense steps before Adam's variance freezes when the user sets no ``warmup_steps``.
+ADAM_WARMUP_STEPS = 50
+
+
+__all__ = [
+    "ADAM_WARMUP_STEPS", "FrozenVarianceAdam", "GROUP_KEY", "MomentumRule", "adam_unsupported", "check_rule",
+    "has_momentum", "is_adam_like", "is_sgd_like", "take_over_momentum",
+]

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 import torch
 
 from ..codecs import Codec, NoneCodec
-from ..collectives import Slot, block_alignment, piece_bounds, piece_key
+from ..comm import Algorithm, Slot
 from ..errors import CodecError
 from ..feedback import ErrorFeedback
+from ..selection import SelectionRule
 
 #: ``compress_filter(name, parameter) -> bool``: True to compress the parameter.
 CompressFilter = Callable[[str, torch.nn.Parameter], bool]
@@ -44,14 +45,9 @@ class ParamPlan:
 
 
 def default_rule(min_numel: int, dense_1d: bool) -> CompressFilter:
-    """The default filter: compress tensors with >= ``min_numel`` elements (and >= 2 dims)."""
-
-    def rule(name: str, p: torch.nn.Parameter) -> bool:
-        if dense_1d and p.dim() <= 1:
-            return False
-        return p.numel() >= min_numel
-
-    return rule
+    """The default filter: :class:`commpress.selection.SelectionRule`, shared with the parameter server."""
+    rule = SelectionRule(min_numel, dense_1d)
+    return lambda name, p: rule(name, tuple(p.shape), p.numel())
 
 
 def plan_parameters(
@@ -92,25 +88,23 @@ def plan_parameters(
 
 
 def feedback_shapes(
-    plans: Iterable[ParamPlan], algorithm: str, codec: Codec, world_size: int, rank: int | None = None
+    plans: Iterable[ParamPlan], algorithm: Algorithm, codec: Codec, world_size: int, rank: int | None = None
 ) -> dict[str, tuple[int, ...]]:
     """Keys and shapes of error-feedback residuals for the compressed parameters.
 
-    One residual per parameter (its own shape), except for the two-phase algorithm, which
-    compresses n pieces of each parameter: keys ``name#j`` (only ``j == rank`` when ``rank``
-    is given: the server-side residuals a rank owns).
+    The algorithm says which residuals it needs (:meth:`Algorithm.residual_layout`: one per
+    parameter, or one per piece); with ``rank`` given, the server-side ones that rank owns.
     """
     out: dict[str, tuple[int, ...]] = {}
     for plan in plans:
         if not plan.compressed:
             continue
-        if algorithm != "twophase":
-            out[plan.name] = plan.shape
-            continue
-        bounds = piece_bounds(plan.numel, world_size, block_alignment(codec))
-        for j, (lo, hi) in enumerate(bounds):
-            if rank is None or j == rank:
-                out[piece_key(plan.name, j)] = (hi - lo,)
+        pieces = (
+            algorithm.residual_layout(plan.name, plan.shape, codec, world_size)
+            if rank is None
+            else algorithm.server_layout(plan.name, plan.shape, codec, world_size, rank)
+        )
+        out.update((piece.key, piece.shape) for piece in pieces)
     return out
 
 

@@ -12,22 +12,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import codecs
+from .. import codecs, comm
 from ..codecs import Bf16Codec, Codec, Fp16Codec, NoneCodec
 from ..codecs.base import all_finite
-from ..collectives import (
-    CommStats,
-    all_gather_single,
-    block_alignment,
-    check_algorithm,
-    derive_seed,
-    piece_bounds,
-    piece_key,
-)
+from ..comm import CommStats, all_gather_single, check_algorithm
 from ..errors import CodecError, ConfigurationError
 from ..feedback import ErrorFeedback, residual_dtype
+from ..rng import derive_seed
 from .guard import DivergenceGuard
-from .optim import MomentumRule, check_rule, has_momentum, is_sgd_like, take_over_momentum
+from .optim import (
+    ADAM_WARMUP_STEPS,
+    FrozenVarianceAdam,
+    MomentumRule,
+    adam_unsupported,
+    check_rule,
+    has_momentum,
+    is_adam_like,
+    is_sgd_like,
+    take_over_momentum,
+)
 from .planning import (
     BucketPlan,
     CompressFilter,
@@ -101,7 +104,7 @@ class CompressionState:
         momentum_masking: zero the velocity where the residual is exactly zero after a step,
             i.e. where top-k / random-k sent the value (DGC's momentum factor masking). Off by
             default: on the digits benchmark it cost top-k 1% about 0.6 accuracy points.
-        algorithm: ``"auto"`` (per codec, see :mod:`commpress.collectives`), ``"allreduce"``,
+        algorithm: ``"auto"`` (per codec, see :mod:`commpress.comm`), ``"allreduce"``,
             ``"allgather"`` or ``"twophase"``.
         verify: at construction, all-gather a fingerprint of the configuration and model so
             ranks configured differently fail with a clear error instead of hanging; on gloo a
@@ -119,7 +122,7 @@ class CompressionState:
         "process_group", "world_size", "rank", "codec", "algorithm", "error_feedback",
         "warmup_steps", "seed", "step", "plans", "plans_by_id", "feedback", "server_feedback",
         "momentum", "momentum_masking", "velocity", "_bucket_plans", "_stats", "momentum_rules",
-        "optimizer", "guard",
+        "optimizer", "guard", "adam",
     )
 
     def __init__(
@@ -165,6 +168,7 @@ class CompressionState:
         self.velocity: dict[str, torch.Tensor] = {}
         self.momentum_rules: dict[str, MomentumRule] = {}
         self.optimizer = optimizer
+        self.adam: FrozenVarianceAdam | None = None
         check_algorithm(algorithm, self.codec)  # bad names fail before any process-group check
         if error_feedback and self.codec.unbiased and not isinstance(self.codec, NoneCodec):
             logger.warning(
@@ -217,11 +221,12 @@ class CompressionState:
         if not self.uses_feedback:
             return None, None
         plans = list(self.plans.values())
-        worker = ErrorFeedback(self.codec, feedback_shapes(plans, self.algorithm, self.codec, self.world_size))
+        algorithm = comm.get(self.algorithm)
+        worker = ErrorFeedback(self.codec, feedback_shapes(plans, algorithm, self.codec, self.world_size))
         server = None
-        if self.algorithm == "twophase":
+        if algorithm.server_feedback:
             server = ErrorFeedback(
-                self.codec, feedback_shapes(plans, self.algorithm, self.codec, self.world_size, self.rank)
+                self.codec, feedback_shapes(plans, algorithm, self.codec, self.world_size, self.rank)
             )
         return worker, server
 
@@ -286,6 +291,9 @@ class CompressionState:
                     "sign 21.7%% accuracy vs 97.5%% with optimizer=)", self.codec,
                 )
             return
+        if is_adam_like(optimizer):
+            self._adopt_adam(module, optimizer)
+            return
         if not is_sgd_like(optimizer) or not has_momentum(optimizer):
             logger.info("commpress: optimizer %s has no SGD momentum to take over; it runs unchanged",
                         type(optimizer).__name__)
@@ -307,6 +315,30 @@ class CompressionState:
         logger.info("commpress: %s momentum moved into the hook for %d parameters",
                     type(optimizer).__name__, len(self.momentum_rules))
 
+    def _adopt_adam(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Adam/AdamW: compressed momentum with the variance frozen after the dense warm-up."""
+        reason = adam_unsupported(optimizer)
+        if reason is not None:
+            logger.warning("commpress: %s: the optimizer runs unchanged on compressed gradients", reason)
+            return
+        if self.momentum:
+            raise CodecError("pass either optimizer= (Adam's momentum moves into the hook) or momentum=, not both")
+        if self.warmup_steps == 0:
+            self.warmup_steps = ADAM_WARMUP_STEPS
+            logger.info("commpress: %d dense warm-up steps before Adam's variance freezes", ADAM_WARMUP_STEPS)
+        compressed = {id(p): n for n, p in module.named_parameters() if n in self.plans and self.plans[n].compressed}
+        self.adam = FrozenVarianceAdam(optimizer, compressed, self.warmup_steps)
+        logger.info("commpress: %s momentum compressed for %d parameters after step %d (1-bit Adam's recipe)",
+                    type(optimizer).__name__, len(compressed), self.warmup_steps)
+
+    def before_bucket(self) -> None:
+        """Start Adam's compressed-momentum phase at the first step after the warm-up."""
+        if self.adam is not None and not self.adam.active and self.step >= self.warmup_steps:
+            self.momentum_rules = self.adam.rules()
+            for name, m in self.adam.momenta().items():  # a resumed run keeps its checkpointed velocity
+                self.velocity.setdefault(name, m.detach().reshape(-1).to(residual_dtype(m.dtype), copy=True))
+            self.adam.active = True
+
     # ----- per-bucket planning ---------------------------------------------------------------
     def dense_step(self) -> bool:
         """True while the current step is dense: warm-up, or the divergence guard's dense steps."""
@@ -327,11 +359,15 @@ class CompressionState:
                 buffer[off + lo : off + hi].add_(e.reshape(-1).to(buffer.dtype))
                 e.zero_()
             if self.server_feedback is not None:
-                lo, hi = piece_bounds(p.numel, self.world_size, block_alignment(self.codec))[self.rank]
-                server_e = self.server_feedback.residual(piece_key(p.name, self.rank))
-                if server_e is not None:
-                    buffer[off + lo : off + hi].add_(server_e.reshape(-1).to(buffer.dtype), alpha=self.world_size)
-                    server_e.zero_()
+                for piece in comm.get(self.algorithm).server_layout(
+                    p.name, p.shape, self.codec, self.world_size, self.rank
+                ):
+                    server_e = self.server_feedback.residual(piece.key)
+                    if server_e is not None:
+                        buffer[off + piece.lo : off + piece.hi].add_(
+                            server_e.reshape(-1).to(buffer.dtype), alpha=self.world_size
+                        )
+                        server_e.zero_()
 
     def norms_sq(self, plan: BucketPlan, buffer: torch.Tensor | None) -> float:
         """Squared norm of the compressed parameters' input in ``buffer``, or of their residuals."""
@@ -391,12 +427,9 @@ class CompressionState:
         """``(start, stop, residual)`` of each piece of a parameter's flat residual."""
         if self.feedback is None:
             return []
-        if self.algorithm != "twophase":
-            e = self.feedback.residual(plan.name)
-            return [] if e is None else [(0, plan.numel, e)]
-        bounds = piece_bounds(plan.numel, self.world_size, block_alignment(self.codec))
-        parts = [self.feedback.residual(piece_key(plan.name, j)) for j in range(self.world_size)]
-        return [(lo, hi, e) for (lo, hi), e in zip(bounds, parts) if e is not None]
+        pieces = comm.get(self.algorithm).residual_layout(plan.name, plan.shape, self.codec, self.world_size)
+        found = [(piece.lo, piece.hi, self.feedback.residual(piece.key)) for piece in pieces]
+        return [(lo, hi, e) for lo, hi, e in found if e is not None]
 
     def param_seed(self, plan: ParamPlan) -> int:
         """Seed shared by all ranks for ``plan``'s parameter at the current step."""
@@ -445,11 +478,11 @@ class CompressionState:
         if plan is None or not plan.compressed:
             return None
         pieces = self._residual_pieces(plan)
-        if self.algorithm != "twophase":
-            return pieces[0][2] if pieces else None
-        if len(pieces) != self.world_size:
-            return None
-        return torch.cat([e for _, _, e in pieces]).view(plan.shape)
+        if len(pieces) != len(comm.get(self.algorithm).residual_layout(plan.name, plan.shape, self.codec, self.world_size)):
+            return None  # before its first step
+        if len(pieces) == 1:
+            return pieces[0][2].view(plan.shape)
+        return torch.cat([e.reshape(-1) for _, _, e in pieces]).view(plan.shape)
 
     # ----- checkpointing -------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
