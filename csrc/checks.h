@@ -1,13 +1,24 @@
-// Argument checks shared by the CPU ops (csrc/cpu/*.cpp) and the CUDA bindings
-// (csrc/cuda/bindings.cpp). Every failure is a TORCH_CHECK (RuntimeError in Python) whose
-// message starts with "<op>: <argument>", so commpress/ops.py can re-raise it as CodecError.
+// The native ops' own checks, shared by the CPU ops (csrc/cpu/*.cpp) and the CUDA bindings
+// (csrc/cuda/bindings.cpp).
+//
+// The argument contract of every op is validated once, in Python, before any backend runs
+// (commpress/kernels/checks.py); these checks only keep a direct call of torch.ops.commpress.*
+// from touching memory it must not: devices, layouts, element types, sizes and the arithmetic
+// that sizes outputs. Their messages name the op and the argument but need not match Python's.
+//
+// Failure kinds, told apart by type rather than by message (commpress/kernels/ops.py):
+//  * NaN/Inf in the values an op was given: c10::ValueError (Python ValueError), raised by
+//    check_finite() before anything was written;
+//  * everything else: c10::Error (Python RuntimeError).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstdint>
 
+#include "commpress/bitpack.h"
 #include "commpress/hd.h"
 
 namespace commpress {
@@ -31,6 +42,13 @@ inline void check_dtype(const char* op, const char* name, const at::Tensor& t,
               t.scalar_type());
 }
 
+// A 1-D contiguous uint8 tensor on `device` (bit packing).
+inline void check_byte_vector(const char* op, const char* name, const at::Tensor& t,
+                              c10::DeviceType device) {
+  check_vector(op, name, t, device);
+  check_dtype(op, name, t, at::kByte);
+}
+
 inline void check_same_device(const char* op, const char* name, const at::Tensor& t,
                               const at::Tensor& ref, const char* ref_name) {
   TORCH_CHECK(t.device() == ref.device(), op, ": ", name, " is on ", t.device(), " but ",
@@ -45,15 +63,24 @@ inline DType float_code(const char* op, const char* name, const at::Tensor& t) {
     case at::kBFloat16: return kBF16;
     case at::kDouble: return kF64;
     default:
-      TORCH_CHECK(false, op, ": ", name,
-                  " must have dtype float32, float16, bfloat16 or float64, got ",
-                  t.scalar_type());
+      TORCH_CHECK(false, op, ": ", name, " must be a float tensor, got ", t.scalar_type());
   }
 }
 
-// Arithmetic, residual and scale dtype of the codecs: float64 for float64, float32 otherwise.
+// Arithmetic, residual and scale dtype of the codecs: float64 for float64, float32 otherwise
+// (commpress.dtypes.accumulate_dtype).
 inline at::ScalarType compute_type(at::ScalarType t) {
   return t == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// Largest finite value of a codec dtype (QSGD norms must fit the input's dtype).
+inline double dtype_max(DType dtype) {
+  switch (dtype) {
+    case kF16: return 65504.0;
+    case kBF16: return 3.3895313892515355e38;
+    case kF32: return 3.4028234663852886e38;
+    default: return 1.7976931348623157e308;
+  }
 }
 
 // An optional error-feedback residual: 1-D, contiguous, as long as x, in x's compute dtype.
@@ -65,15 +92,53 @@ inline void check_residual(const char* op, const at::Tensor& e, const at::Tensor
               x.numel());
 }
 
-inline int64_t n_blocks(int64_t n, int64_t block) { return n == 0 ? 0 : (n + block - 1) / block; }
+// Blocks of `block` (>= 1) elements covering n >= 0, without overflow for any int64 block.
+inline int64_t n_blocks(int64_t n, int64_t block) {
+  return n == 0 ? 0 : n / block + (n % block != 0 ? 1 : 0);
+}
 
+// The block length the kernels use: `block` itself, or n (at least 1) for block 0 or a block
+// longer than the tensor -- the same single block, and no arithmetic near INT64_MAX after it.
+inline int64_t effective_block(int64_t n, int64_t block) {
+  const int64_t whole = std::max<int64_t>(n, 1);
+  return block == 0 || block > whole ? whole : block;
+}
+
+inline void check_block(const char* op, const char* name, int64_t block, int64_t min) {
+  TORCH_CHECK(block >= min, op, ": ", name, " must be >= ", min, ", got ", block);
+}
+
+// A bit-packing field width (the kernel tables have these four).
+inline void check_bits(const char* op, int64_t bits) {
+  TORCH_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8, op,
+              ": bits must be one of 1, 2, 4, 8, got ", bits);
+}
+
+// QSGD's width (sizes the packed output, picks the kernel), level count (fields index
+// 256-entry tables) and bucket length.
 inline void check_qsgd_params(const char* op, int64_t bits, int64_t levels, int64_t bucket) {
   TORCH_CHECK(bits == 2 || bits == 4 || bits == 8, op, ": bits must be one of 2, 4, 8, got ",
               bits);
   const int64_t top = (int64_t{1} << (bits - 1)) - 1;
   TORCH_CHECK(levels >= 1 && levels <= top, op, ": levels must be in [1, ", top,
               "] for bits=", bits, ", got ", levels);
-  TORCH_CHECK(bucket >= 1, op, ": bucket_size must be >= 1, got ", bucket);
+  check_block(op, "bucket_size", bucket, 1);
+}
+
+// Random-k's k for n elements: k <= n (one element per stratum) and strata shorter than 2**32
+// (the RNG draws 32-bit offsets).
+inline void check_strata(const char* op, int64_t n, int64_t k) {
+  TORCH_CHECK(k >= 0 && k <= n, op, ": k must be in [0, numel=", n, "], got ", k);
+  TORCH_CHECK(n == 0 || k >= 1, op, ": k must be >= 1 for a non-empty tensor");
+  TORCH_CHECK(k == 0 || n_blocks(n, k) < (int64_t{1} << 32), op, ": k=", k,
+              " is too small for numel=", n, " (strata longer than 2**32)");
+  TORCH_CHECK(k < (int64_t{1} << 32), op, ": k=", k, " must be < 2**32");
+}
+
+// Raises the non-finite kind (c10::ValueError) unless `finite`: NaN or Inf in what the op was
+// asked to encode (`what`: "x" or "x + residual"); nothing has been written.
+inline void check_finite(bool finite, const char* op, const char* what) {
+  TORCH_CHECK_VALUE(finite, op, ": ", what, " contains NaN or Inf; nothing was written");
 }
 
 // Seeds are uint64 in Python; the schema's int is int64, so they travel as their bit pattern.

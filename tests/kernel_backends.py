@@ -4,8 +4,9 @@ Backends: ``cpu:<isa>`` (the native CPU kernels, once per instruction-set varian
 runs), ``numba`` (commpress.kernels.numba_cpu), ``cuda`` (the native CUDA kernels) and
 ``cupy`` (commpress.kernels.cupy_cuda). A backend that cannot run here is a skipped param
 whose reason says why. The fixture (in conftest.py) yields a :class:`Backend`: the device
-string, so ``tensor.to(backend)`` works, carrying the backend's ops with the native schemas'
-arguments (``torch.ops.commpress`` or the Python backend module).
+string, so ``tensor.to(backend)`` works, carrying the ops with the native schemas' arguments
+(:data:`commpress.kernels.ops.checked`: the one argument check, then the backend under test,
+as every caller gets them). ``.native`` tells whether it is the extension.
 """
 
 from __future__ import annotations
@@ -76,12 +77,12 @@ def activate(name: str) -> Iterator[Backend]:
         before = ops.cpu_isa()
         ops.cpu_isa(name.split(":")[1])
         try:
-            yield Backend.make("cpu", name, torch.ops.commpress, True)
+            yield Backend.make("cpu", name, ops.checked, True)
         finally:
             ops.cpu_isa(before or "")
     elif name in ("cpu", "cuda"):
-        yield Backend.make(name, name, torch.ops.commpress, True)
+        yield Backend.make(name, name, ops.checked, True)
     else:
         device = backends.PYTHON_BACKENDS[name][1]
         with ops.use_backend(name):  # the codecs' wrappers run on it too
-            yield Backend.make(device, name, backends.module(name), False)
+            yield Backend.make(device, name, ops.checked, False)

@@ -23,6 +23,7 @@ from commpress.codecs import qsgd as qsgd_mod
 from commpress.codecs import randomk as randomk_mod
 from commpress.codecs import sign as sign_mod
 from commpress.codecs import topk as topk_mod
+from commpress.errors import KernelArgumentError, NonFiniteError
 from commpress.kernels import cupy_cuda, ops
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
@@ -88,6 +89,26 @@ def test_module_source_is_the_nvcc_source() -> None:
     assert "-ftz=false" in options and "-prec-div=true" in options and "-prec-sqrt=true" in options
 
 
+def test_launch_parameters_come_from_the_cuda_header() -> None:
+    """cupy_cuda restates nothing: constants and kernel names are read from launch_params.h."""
+    p = cupy_cuda.launch_params()
+    assert (p.kThreads, p.kWarp, p.kMaxBlocks, p.kGroupElems) == (256, 32, 1 << 16, 1024)
+    assert (p.kSumAbs, p.kMaxAbs, p.kFlagNonFinite, p.kFlagTooBig) == (0, 3, 1, 4)
+    assert p.kBins == 1 << p.kDigitBits
+    assert p.kTopkScratchWords == p.kSelectStateWords + p.kBins + 3 * p.kCountBlocks
+    assert set(p.kernels) == set(cupy_cuda.UNITS)
+    sign = cupy_cuda.module_source("sign")[2]
+    assert "commpress::cuda::sign_encode_kernel<commpress::Half, true>" in sign
+    assert len(sign) == len(set(sign)) == 1 + 4 * 2 + 4 * (1 + 2 + 2)
+    qsgd = cupy_cuda.module_source("qsgd")[2]
+    assert "commpress::cuda::group_sums_kernel<commpress::cuda::kMaxAbs, double, false>" in qsgd
+    assert not any("kSumSquare, double" in name for name in qsgd)
+    header = (cupy_cuda.CSRC / "cuda" / "launch_params.h").read_text()
+    for source in ("common.cuh", "bitpack.cu"):  # the launchers include the same header
+        assert '#include "launch_params.h"' in (cupy_cuda.CSRC / "cuda" / source).read_text()
+    assert "kThreads = 256" in header
+
+
 def test_import_does_not_load_cupy_or_cuda() -> None:
     code = (
         "import sys, commpress, commpress.kernels.ops, commpress.kernels.cupy_cuda\n"
@@ -146,7 +167,6 @@ def _run_every_op(dtype: torch.dtype, n: int) -> None:
 def test_launch_arguments_match_the_compiled_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every launch of every op (recorded on CPU tensors) against the PTX parameter lists."""
     _nvrtc()
-    monkeypatch.setattr(cupy_cuda, "DEVICE", "cpu")  # the checks accept CPU tensors
     monkeypatch.setattr(cupy_cuda, "_Launcher", _Recorder)
     _Recorder.launches = []
     for dtype in DTYPES:
@@ -268,27 +288,26 @@ def test_gpu_bit_packing_matches_the_reference(bits: int) -> None:
         _same(cupy_cuda.unpack_bits(packed, bits, n), fields, "unpack_bits")
 
 
-def test_gpu_errors_match_the_native_messages() -> None:
+def test_gpu_data_errors_name_the_argument() -> None:
     _gpu()
     x = torch.tensor([1.0, float("nan"), 2.0], device="cuda")
     e = torch.zeros(3, device="cuda")
-    with pytest.raises(
-        cupy_cuda.KernelArgumentError,
-        match=r"^sign_encode: x \+ residual contains NaN or Inf \(non-finite input",
-    ):
-        cupy_cuda.sign_encode(x, e, 0)
-    assert torch.equal(e, torch.zeros(3, device="cuda"))  # nothing was written
-    with pytest.raises(cupy_cuda.KernelArgumentError, match=r"^topk_select: x contains NaN or Inf"):
-        cupy_cuda.topk_select(x, 1)
-    with pytest.raises(
-        cupy_cuda.KernelArgumentError, match=r"^pack_bits: fields\[1\] = 2 does not fit in bits=1"
-    ):
-        cupy_cuda.pack_bits(torch.tensor([1, 2], dtype=torch.uint8, device="cuda"), 1)
-    out = torch.zeros(4, device="cuda")
-    bad = torch.tensor([1, 1], dtype=torch.int32, device="cuda")
-    with pytest.raises(cupy_cuda.KernelArgumentError, match=r"strictly increasing"):
-        cupy_cuda.sparse_scatter_add([bad], [torch.ones(2, device="cuda")], out)
-    assert torch.equal(out, torch.zeros(4, device="cuda"))
+    c = ops.checked
+    with ops.use_backend("cupy"):
+        with pytest.raises(NonFiniteError, match=r"^sign_encode: x \+ residual contains NaN or Inf"):
+            c.sign_encode(x, e, 0)
+        assert torch.equal(e, torch.zeros(3, device="cuda"))  # nothing was written
+        with pytest.raises(NonFiniteError, match=r"^topk_select: x contains NaN or Inf"):
+            c.topk_select(x, 1)
+        with pytest.raises(
+            KernelArgumentError, match=r"^pack_bits: fields\[1\] = 2 does not fit in bits=1"
+        ):
+            c.pack_bits(torch.tensor([1, 2], dtype=torch.uint8, device="cuda"), 1)
+        out = torch.zeros(4, device="cuda")
+        bad = torch.tensor([1, 1], dtype=torch.int32, device="cuda")
+        with pytest.raises(KernelArgumentError, match=r"strictly increasing"):
+            c.sparse_scatter_add([bad], [torch.ones(2, device="cuda")], out)
+        assert torch.equal(out, torch.zeros(4, device="cuda"))
 
 
 def test_gpu_cupy_serves_cuda_ops_without_native_kernels() -> None:

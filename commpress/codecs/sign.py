@@ -38,6 +38,9 @@ from .base import (
     tree_sum,
 )
 
+#: Block sizes must fit the kernels' int64 (any size >= the tensor's length is one block).
+MAX_BLOCK = 1 << 63
+
 
 def n_blocks(numel: int, block_size: int) -> int:
     """Number of scale blocks for ``numel`` elements (``block_size=0``: one block)."""
@@ -58,8 +61,8 @@ class SignCodec(Codec):
         return self.block_size or 1
 
     def __init__(self, block_size: int = 0) -> None:
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 0:
-            raise CodecError(f"sign: block_size must be an int >= 0, got {block_size!r}")
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or not 0 <= block_size < MAX_BLOCK:
+            raise CodecError(f"sign: block_size must be an int in [0, 2**63), got {block_size!r}")
         self.block_size = block_size
 
     def config(self) -> dict[str, Any]:
@@ -78,7 +81,9 @@ class SignCodec(Codec):
 
     @classmethod
     def check_wire_params(cls, numel: int, params: tuple[int, int]) -> None:
-        """``param1`` must be 0; any block size is valid."""
+        """``param0`` (the block size) below 2**63, like the codec's; ``param1`` must be 0."""
+        if not 0 <= params[0] < MAX_BLOCK:
+            raise WireError(f"params[0]: sign block_size must be < 2**63, got {params[0]}")
         if params[1] != 0:
             raise WireError(f"params[1]: must be 0 for sign, got {params[1]}")
 

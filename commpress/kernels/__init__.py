@@ -3,7 +3,7 @@
 - :mod:`.ops`: one typed wrapper per op, argument validation, backend choice per op and
   device (``native`` extension, ``numba`` / ``cupy``, ``reference``);
 - :mod:`.backends`: the op names and the Python backends' registry;
-- :mod:`.checks`: argument checks shared by the Python backends;
+- :mod:`.checks`: the kernel contract, one argument check per op, run before any backend;
 - :mod:`.numba_cpu`, :mod:`.cupy_cuda`: the Python backends (imported on first use).
 
 Nothing here knows about codecs' wire layouts, collectives or DDP.

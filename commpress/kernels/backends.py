@@ -4,8 +4,9 @@
 ``native`` (the ``commpress._C`` extension), then the Python backend of that device
 (``numba`` for CPU tensors, ``cupy`` for CUDA tensors), then ``reference`` (the pure-torch
 specification in ``commpress/codecs/*.py``). Every backend module here exports the ops with the
-native schemas' arguments, checks them like the native ops (:mod:`.checks`), and is imported
-only when first used, so a missing numba or CuPy never breaks ``import commpress``.
+native schemas' arguments, already validated by :mod:`.checks` (ops.py checks once, before any
+backend), and is imported only when first used, so a missing numba or CuPy never breaks
+``import commpress``.
 """
 
 from __future__ import annotations

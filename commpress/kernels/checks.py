@@ -1,40 +1,34 @@
-"""Argument checks of the Python kernel backends (numba, CuPy), worded like the native ones.
+"""The kernel contract: one argument check per op, run once before any backend.
 
-The native ops check their arguments in C++ (``csrc/checks.h``); the Python backends call
-these instead, so every backend rejects the same input with the same message
-(``"<op>: <argument> ..."``). Numba and CuPy kernels do no bounds checking of their own, so
-nothing reaches them before these checks pass.
+:func:`commpress.kernels.ops` calls ``CHECKS[op](*args)`` (``args`` in the order of the native
+schemas, ``csrc/registration.cpp``) before it picks a backend, so native, numba, CuPy and the
+reference all see only arguments that passed this one statement of the contract. The Python
+backends check nothing themselves (numba and CuPy kernels do no bounds checking: they are reached
+only through :mod:`.ops`); the native ops keep just the checks that protect memory when
+``torch.ops.commpress.*`` is called directly (``csrc/checks.h``), worded as they like.
+
+Every failure raises :class:`~commpress.errors.KernelArgumentError` ``"<op>: <argument> ..."``.
+Failures that depend on the data (NaN/Inf, an overflowing scale, a bad index, a field too wide)
+are found by the kernels; the Python backends word them with the helpers at the end of this
+module, and NaN/Inf is always :class:`~commpress.errors.NonFiniteError`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from .. import rng
-from ..errors import KernelArgumentError
+from ..bitpack import SUPPORTED_BITS
+from ..dtypes import FLOAT_DTYPES, accumulate_dtype
+from ..errors import KernelArgumentError, NonFiniteError
 
-# torch dtype -> the name c10 prints (the native messages use these)
-_C10_NAMES = {
-    torch.float32: "Float",
-    torch.float16: "Half",
-    torch.bfloat16: "BFloat16",
-    torch.float64: "Double",
-    torch.uint8: "Byte",
-    torch.int8: "Char",
-    torch.int16: "Short",
-    torch.int32: "Int",
-    torch.int64: "Long",
-    torch.bool: "Bool",
-}
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-
-
-def c10_name(dtype: torch.dtype) -> str:
-    """The name c10 prints for ``dtype`` (``Float``, ``Half``, ...)."""
-    return _C10_NAMES.get(dtype, str(dtype))
+#: Largest value of the native schemas' ``int`` (int64).
+INT64_MAX = (1 << 63) - 1
+QSGD_BITS = (2, 4, 8)
 
 
 def fail(op: str, message: str) -> KernelArgumentError:
@@ -42,83 +36,20 @@ def fail(op: str, message: str) -> KernelArgumentError:
     return KernelArgumentError(f"{op}: {message}")
 
 
-def non_finite(op: str, has_residual: bool) -> KernelArgumentError:
-    """The error for NaN/Inf in the values an encode was given (nothing was written)."""
-    source = "x + residual" if has_residual else "x"
-    return fail(op, f"{source} contains NaN or Inf (non-finite input; nothing was written)")
-
-
-def norm_above_range(op: str, norms: torch.Tensor, limit: float, dtype: torch.dtype) -> KernelArgumentError:
-    """The error for a QSGD bucket norm above ``limit``, the largest value of ``dtype``."""
-    first = float(norms[norms > limit][0])
-    return fail(
-        op,
-        f"a bucket norm {first:g} exceeds {c10_name(dtype)}'s range; use a smaller bucket_size (nothing was written)",
-    )
-
-
-def rng_key(seed: int, stream: int) -> np.uint64:
-    """The RNG key of ``(seed, stream)``, ``seed`` as the native schema passes it.
-
-    The schema's int is int64, so a uint64 seed arrives as its bit pattern.
-    """
-    return np.uint64(rng.key(seed & rng.SEED_MASK, stream))
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Arithmetic, residual and scale dtype: float64 for float64, float32 otherwise."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def check_vector(op: str, name: str, t: torch.Tensor, device: str) -> None:
-    """A 1-D contiguous tensor on ``device`` ("cpu" or "cuda")."""
-    if not isinstance(t, torch.Tensor):
-        raise fail(op, f"{name} must be a tensor, got {type(t).__name__}")
-    if t.device.type != device:
-        raise fail(op, f"{name} must be a {device.upper()} tensor, got device {t.device}")
-    if t.dim() != 1:
-        raise fail(op, f"{name} must be 1-D, got shape {list(t.shape)}")
-    if not t.is_contiguous():
-        raise fail(op, f"{name} must be contiguous")
-
-
-def check_dtype(op: str, name: str, t: torch.Tensor, want: torch.dtype) -> None:
-    """``t`` has dtype ``want``."""
-    if t.dtype != want:
-        raise fail(op, f"{name} must have dtype {c10_name(want)}, got {c10_name(t.dtype)}")
-
-
-def check_float(op: str, name: str, t: torch.Tensor) -> None:
-    """``t`` has one of the codecs' float dtypes."""
-    if t.dtype not in FLOAT_DTYPES:
-        raise fail(
-            op,
-            f"{name} must have dtype float32, float16, bfloat16 or float64, got {c10_name(t.dtype)}",
-        )
-
-
-def check_same_device(
-    op: str, name: str, t: torch.Tensor, ref: torch.Tensor, ref_name: str
-) -> None:
-    """``t`` is on the same device as ``ref``."""
-    if t.device != ref.device:
-        raise fail(op, f"{name} is on {t.device} but {ref_name} is on {ref.device}")
-
-
-def check_residual(op: str, e: torch.Tensor | None, x: torch.Tensor) -> None:
-    """An optional residual: 1-D, contiguous, as long as x, in x's compute dtype."""
-    if e is None:
-        return
-    check_vector(op, "residual", e, x.device.type)
-    check_same_device(op, "residual", e, x, "x")
-    check_dtype(op, "residual", e, compute_dtype(x.dtype))
-    if e.numel() != x.numel():
-        raise fail(op, f"residual has {e.numel()} elements, x has {x.numel()}")
-
-
+# ----- sizes the backends share ----------------------------------------------------------------
 def n_blocks(n: int, block: int) -> int:
-    """Blocks of ``block`` elements covering ``n`` (0 for an empty tensor)."""
+    """Blocks of ``block`` (>= 1) elements covering ``n`` (0 for an empty tensor)."""
     return 0 if n == 0 else -(-n // block)
+
+
+def effective_block(n: int, block: int) -> int:
+    """The block length kernels use: ``block``, or ``max(n, 1)`` for 0 or a longer block.
+
+    A block longer than the tensor is the same single block, and the kernels' index
+    arithmetic then never comes near 2**63.
+    """
+    whole = max(n, 1)
+    return whole if block == 0 or block > whole else block
 
 
 def packed_nbytes(n: int, bits: int) -> int:
@@ -126,94 +57,147 @@ def packed_nbytes(n: int, bits: int) -> int:
     return (n * bits + 7) // 8
 
 
-def check_bits(op: str, bits: int) -> None:
-    """A bit-packing field width."""
-    if bits not in (1, 2, 4, 8):
-        raise fail(op, f"bits must be one of 1, 2, 4, 8, got {bits}")
+def rng_key(seed: int, stream: int) -> np.uint64:
+    """The RNG key of ``(seed, stream)``, ``seed`` as the native schema passes it (int64 bits)."""
+    return np.uint64(rng.key(seed & rng.SEED_MASK, stream))
 
 
-def check_byte_vector(op: str, name: str, t: torch.Tensor, device: str) -> None:
-    """A 1-D contiguous uint8 tensor on ``device``."""
-    if not isinstance(t, torch.Tensor) or t.device.type != device:
-        where = t.device if isinstance(t, torch.Tensor) else type(t).__name__
-        raise fail(op, f"{name} must be a {device.upper()} tensor, got device {where}")
-    if t.dtype != torch.uint8:
-        raise fail(op, f"{name} must have dtype uint8, got {c10_name(t.dtype)}")
-    check_vector(op, name, t, device)
+# ----- argument checks --------------------------------------------------------------------------
+def _names(dtypes: Sequence[torch.dtype]) -> str:
+    return ", ".join(str(d).removeprefix("torch.") for d in dtypes)
 
 
-def check_unpack(packed: torch.Tensor, bits: int, n: int, device: str) -> None:
-    """Arguments of ``unpack_bits``."""
-    check_bits("unpack_bits", bits)
-    check_byte_vector("unpack_bits", "packed", packed, device)
-    if n < 0:
-        raise fail("unpack_bits", f"n must be >= 0, got {n}")
+def _vector(op: str, name: str, t: Any, dtypes: Sequence[torch.dtype] | None = None) -> None:
+    """A 1-D contiguous tensor (of one of ``dtypes``)."""
+    if not isinstance(t, torch.Tensor):
+        raise fail(op, f"{name} must be a tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise fail(op, f"{name} must have dtype {' or '.join(_names(dtypes).rsplit(', ', 1))}, got {t.dtype}")
+    if t.dim() != 1:
+        raise fail(op, f"{name} must be 1-D, got shape {list(t.shape)}")
+    if not t.is_contiguous():
+        raise fail(op, f"{name} must be contiguous")
+
+
+def _same_device(op: str, name: str, t: torch.Tensor, ref: torch.Tensor, ref_name: str) -> None:
+    if t.device != ref.device:
+        raise fail(op, f"{name} is on {t.device} but {ref_name} is on {ref.device}")
+
+
+def _int(op: str, name: str, value: Any, low: int) -> None:
+    """An int in ``[low, 2**63)`` (the schema's int is int64)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise fail(op, f"{name} must be an int, got {type(value).__name__}")
+    if value < low:
+        raise fail(op, f"{name} must be >= {low}, got {value}")
+    if value > INT64_MAX:
+        raise fail(op, f"{name} must be < 2**63, got {value}")
+
+
+def _floats(op: str, name: str, t: Any) -> None:
+    _vector(op, name, t, FLOAT_DTYPES)
+
+
+def _companion(op: str, name: str, t: Any, ref: torch.Tensor, ref_name: str, dtype: torch.dtype) -> None:
+    """A 1-D contiguous tensor of ``dtype`` on ``ref``'s device."""
+    _vector(op, name, t, (dtype,))
+    _same_device(op, name, t, ref, ref_name)
+
+
+def _residual(op: str, e: torch.Tensor | None, x: torch.Tensor) -> None:
+    if e is None:
+        return
+    _companion(op, "residual", e, x, "x", accumulate_dtype(x.dtype))
+    if e.numel() != x.numel():
+        raise fail(op, f"residual has {e.numel()} elements, x has {x.numel()}")
+
+
+def _bits(op: str, bits: Any, allowed: Sequence[int]) -> int:
+    if not isinstance(bits, int) or isinstance(bits, bool) or bits not in allowed:
+        raise fail(op, f"bits must be one of {', '.join(map(str, allowed))}, got {bits}")
+    return bits
+
+
+def _qsgd(op: str, bits: Any, levels: Any, bucket: Any) -> None:
+    top = (1 << (_bits(op, bits, QSGD_BITS) - 1)) - 1
+    if not isinstance(levels, int) or isinstance(levels, bool) or not 1 <= levels <= top:
+        raise fail(op, f"levels must be in [1, {top}] for bits={bits}, got {levels}")
+    _int(op, "bucket_size", bucket, 1)
+
+
+def _strata(op: str, n: int, k: Any) -> None:
+    """Random-k's k for n elements: one element per stratum, strata shorter than 2**32."""
+    if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= n:
+        raise fail(op, f"k must be in [0, numel={n}], got {k}")
+    if n and k < 1:
+        raise fail(op, "k must be >= 1 for a non-empty tensor")
+    if k and n_blocks(n, k) >= 1 << 32:
+        raise fail(op, f"k={k} is too small for numel={n} (strata longer than 2**32)")
+    if k >= 1 << 32:
+        raise fail(op, f"k={k} must be < 2**32")
+
+
+def _seed(op: str, seed: Any) -> None:
+    _int(op, "seed", seed, -(1 << 63))
+
+
+def check_pack_bits(fields: torch.Tensor, bits: int) -> str:
+    """``pack_bits``; returns the device type the op runs on (so do all checks)."""
+    op = "pack_bits"
+    _bits(op, bits, SUPPORTED_BITS)
+    _vector(op, "fields", fields, (torch.uint8,))
+    return fields.device.type
+
+
+def check_unpack_bits(packed: torch.Tensor, bits: int, n: int) -> str:
+    """``unpack_bits``: ``packed`` holds exactly the bytes of ``n`` fields."""
+    op = "unpack_bits"
+    _bits(op, bits, SUPPORTED_BITS)
+    _vector(op, "packed", packed, (torch.uint8,))
+    _int(op, "n", n, 0)
     expected = packed_nbytes(n, bits)
     if packed.numel() != expected:
-        raise fail(
-            "unpack_bits",
-            f"packed holds {packed.numel()} bytes, but n={n} fields of bits={bits} need {expected}",
-        )
+        raise fail(op, f"packed holds {packed.numel()} bytes, but n={n} fields of bits={bits} need {expected}")
+    return packed.device.type
 
 
-def check_sign_encode(
-    x: torch.Tensor, residual: torch.Tensor | None, block_size: int, device: str
-) -> int:
-    """Arguments of ``sign_encode``; returns the effective block length (>= 1)."""
+def check_sign_encode(x: torch.Tensor, residual: torch.Tensor | None, block_size: int) -> str:
+    """``sign_encode``."""
     op = "sign_encode"
-    check_vector(op, "x", x, device)
-    check_float(op, "x", x)
-    if block_size < 0:
-        raise fail(op, f"block_size must be >= 0, got {block_size}")
-    check_residual(op, residual, x)
-    return block_size or max(1, x.numel())
+    _floats(op, "x", x)
+    _int(op, "block_size", block_size, 0)
+    _residual(op, residual, x)
+    return x.device.type
 
 
 def check_sign_decode(
-    scales: torch.Tensor, bits: torch.Tensor, block_size: int, out: torch.Tensor, device: str
-) -> int:
-    """Arguments of ``sign_decode``; returns the effective block length (>= 1)."""
+    scales: torch.Tensor, bits: torch.Tensor, block_size: int, out: torch.Tensor, accumulate: bool = True
+) -> str:
+    """``sign_decode``: one scale per block and one bit per output."""
     op = "sign_decode"
-    check_vector(op, "out", out, device)
-    check_float(op, "out", out)
-    check_vector(op, "scales", scales, device)
-    check_dtype(op, "scales", scales, compute_dtype(out.dtype))
-    check_vector(op, "bits", bits, device)
-    check_dtype(op, "bits", bits, torch.uint8)
-    if block_size < 0:
-        raise fail(op, f"block_size must be >= 0, got {block_size}")
+    _floats(op, "out", out)
+    _companion(op, "scales", scales, out, "out", accumulate_dtype(out.dtype))
+    _companion(op, "bits", bits, out, "out", torch.uint8)
+    _int(op, "block_size", block_size, 0)
     n = out.numel()
-    block = block_size or max(1, n)
-    if scales.numel() != n_blocks(n, block):
-        raise fail(
-            op,
-            f"scales has {scales.numel()} elements, {n} outputs in blocks of {block} need {n_blocks(n, block)}",
-        )
+    need = n_blocks(n, effective_block(n, block_size))
+    if scales.numel() != need:
+        raise fail(op, f"scales has {scales.numel()} elements, {n} outputs in blocks of {block_size} need {need}")
     if bits.numel() != packed_nbytes(n, 1):
         raise fail(op, f"bits has {bits.numel()} bytes, {n} outputs need {packed_nbytes(n, 1)}")
-    return block
-
-
-def check_qsgd_params(op: str, bits: int, levels: int, bucket: int) -> None:
-    """QSGD's width, level count and bucket length."""
-    if bits not in (2, 4, 8):
-        raise fail(op, f"bits must be one of 2, 4, 8, got {bits}")
-    top = (1 << (bits - 1)) - 1
-    if not 1 <= levels <= top:
-        raise fail(op, f"levels must be in [1, {top}] for bits={bits}, got {levels}")
-    if bucket < 1:
-        raise fail(op, f"bucket_size must be >= 1, got {bucket}")
+    return out.device.type
 
 
 def check_qsgd_encode(
-    x: torch.Tensor, residual: torch.Tensor | None, bits: int, levels: int, bucket: int, device: str
-) -> None:
-    """Arguments of ``qsgd_encode``."""
+    x: torch.Tensor, residual: torch.Tensor | None, bits: int, levels: int, bucket_size: int, seed: int
+) -> str:
+    """``qsgd_encode``."""
     op = "qsgd_encode"
-    check_vector(op, "x", x, device)
-    check_float(op, "x", x)
-    check_qsgd_params(op, bits, levels, bucket)
-    check_residual(op, residual, x)
+    _floats(op, "x", x)
+    _qsgd(op, bits, levels, bucket_size)
+    _residual(op, residual, x)
+    _seed(op, seed)
+    return x.device.type
 
 
 def check_qsgd_decode(
@@ -221,100 +205,123 @@ def check_qsgd_decode(
     packed: torch.Tensor,
     bits: int,
     levels: int,
-    bucket: int,
+    bucket_size: int,
     out: torch.Tensor,
-    device: str,
-) -> None:
-    """Arguments of ``qsgd_decode``."""
+    accumulate: bool = True,
+) -> str:
+    """``qsgd_decode``: one norm per bucket and ``bits`` bits per output."""
     op = "qsgd_decode"
-    check_vector(op, "out", out, device)
-    check_float(op, "out", out)
-    check_qsgd_params(op, bits, levels, bucket)
-    check_vector(op, "norms", norms, device)
-    check_dtype(op, "norms", norms, compute_dtype(out.dtype))
-    check_vector(op, "packed", packed, device)
-    check_dtype(op, "packed", packed, torch.uint8)
+    _floats(op, "out", out)
+    _qsgd(op, bits, levels, bucket_size)
+    _companion(op, "norms", norms, out, "out", accumulate_dtype(out.dtype))
+    _companion(op, "packed", packed, out, "out", torch.uint8)
     n = out.numel()
-    if norms.numel() != n_blocks(n, bucket):
+    if norms.numel() != n_blocks(n, bucket_size):
         raise fail(
-            op,
-            f"norms has {norms.numel()} elements, {n} outputs in buckets of {bucket} need {n_blocks(n, bucket)}",
+            op, f"norms has {norms.numel()} elements, {n} outputs in buckets of {bucket_size} need {n_blocks(n, bucket_size)}"
         )
     if packed.numel() != packed_nbytes(n, bits):
-        raise fail(
-            op,
-            f"packed has {packed.numel()} bytes, {n} fields of bits={bits} need {packed_nbytes(n, bits)}",
-        )
+        raise fail(op, f"packed has {packed.numel()} bytes, {n} fields of bits={bits} need {packed_nbytes(n, bits)}")
+    return out.device.type
 
 
-def check_topk_select(x: torch.Tensor, k: int, device: str) -> None:
-    """Arguments of ``topk_select``."""
+def check_topk_select(x: torch.Tensor, k: int) -> str:
+    """``topk_select``."""
     op = "topk_select"
-    check_vector(op, "x", x, device)
-    check_float(op, "x", x)
-    if not 0 <= k <= x.numel():
+    _floats(op, "x", x)
+    if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= x.numel():
         raise fail(op, f"k must be in [0, numel={x.numel()}], got {k}")
+    return x.device.type
 
 
-def check_scatter_payloads(
-    indices: Sequence[torch.Tensor], values: Sequence[torch.Tensor], out: torch.Tensor, device: str
-) -> None:
-    """Shapes and dtypes of ``sparse_scatter_add`` (the index values are checked by the backend)."""
+def check_sparse_scatter_add(
+    indices: Sequence[torch.Tensor], values: Sequence[torch.Tensor], out: torch.Tensor
+) -> str:
+    """``sparse_scatter_add`` (the index values are checked by the kernels, before any write)."""
     op = "sparse_scatter_add"
-    check_vector(op, "out", out, device)
-    check_float(op, "out", out)
+    _floats(op, "out", out)
     if len(indices) != len(values):
         raise fail(op, f"got {len(indices)} index tensors but {len(values)} value tensors")
     for p, (idx, val) in enumerate(zip(indices, values)):
-        check_vector(op, "indices[p]", idx, device)
-        check_vector(op, "values[p]", val, device)
-        if idx.dtype not in (torch.int32, torch.int64):
-            raise fail(
-                op, f"indices[{p}] must have dtype int32 or int64, got {c10_name(idx.dtype)}"
-            )
+        _vector(op, f"indices[{p}]", idx, (torch.int32, torch.int64))
+        _same_device(op, f"indices[{p}]", idx, out, "out")
+        _vector(op, f"values[{p}]", val)
+        _same_device(op, f"values[{p}]", val, out, "out")
         if val.dtype != out.dtype:
-            raise fail(
-                op, f"values[{p}] has dtype {c10_name(val.dtype)}, out has {c10_name(out.dtype)}"
-            )
+            raise fail(op, f"values[{p}] has dtype {val.dtype}, out has {out.dtype}")
         if idx.numel() != val.numel():
-            raise fail(
-                op, f"indices[{p}] has {idx.numel()} elements, values[{p}] has {val.numel()}"
-            )
+            raise fail(op, f"indices[{p}] has {idx.numel()} elements, values[{p}] has {val.numel()}")
+    return out.device.type
 
 
-def bad_index_message(p: int, j: int, value: int, previous: int, n: int) -> str:
-    """The message for the first invalid index ``indices[p][j]``."""
-    if not 0 <= value < n:
-        return f"indices[{p}][{j}] = {value} is out of range [0, {n})"
-    return f"indices[{p}] must be strictly increasing (no duplicates): indices[{p}][{j}] = {value} follows {previous}"
-
-
-def check_strata(op: str, n: int, k: int) -> None:
-    """Random-k's k for n elements: strata shorter than 2**32."""
-    if not 0 <= k <= n:
-        raise fail(op, f"k must be in [0, numel={n}], got {k}")
-    if n and k < 1:
-        raise fail(op, "k must be >= 1 for a non-empty tensor")
-    if k and -(-n // k) >= 1 << 32:
-        raise fail(op, f"k={k} is too small for numel={n} (strata longer than 2**32)")
-    if k >= 1 << 32:
-        raise fail(op, f"k={k} must be < 2**32")
-
-
-def check_randomk_gather(x: torch.Tensor, k: int, device: str) -> None:
-    """Arguments of ``randomk_gather``."""
+def check_randomk_gather(x: torch.Tensor, k: int, seed: int, scaled: bool) -> str:
+    """``randomk_gather``."""
     op = "randomk_gather"
-    check_vector(op, "x", x, device)
-    check_float(op, "x", x)
-    check_strata(op, x.numel(), k)
+    _floats(op, "x", x)
+    _strata(op, x.numel(), k)
+    _seed(op, seed)
+    return x.device.type
 
 
-def check_randomk_scatter(values: torch.Tensor, out: torch.Tensor, device: str) -> None:
-    """Arguments of ``randomk_scatter_add``."""
+def check_randomk_scatter_add(values: torch.Tensor, seed: int, out: torch.Tensor) -> str:
+    """``randomk_scatter_add``."""
     op = "randomk_scatter_add"
-    check_vector(op, "out", out, device)
-    check_float(op, "out", out)
-    check_vector(op, "values", values, device)
+    _floats(op, "out", out)
+    _vector(op, "values", values)
+    _same_device(op, "values", values, out, "out")
     if values.dtype != out.dtype:
-        raise fail(op, f"values has dtype {c10_name(values.dtype)}, out has {c10_name(out.dtype)}")
-    check_strata(op, out.numel(), values.numel())
+        raise fail(op, f"values has dtype {values.dtype}, out has {out.dtype}")
+    _strata(op, out.numel(), values.numel())
+    _seed(op, seed)
+    return out.device.type
+
+
+#: op name -> its check, called with the native schema's arguments; returns the device type.
+CHECKS: dict[str, Callable[..., str]] = {
+    "pack_bits": check_pack_bits,
+    "unpack_bits": check_unpack_bits,
+    "sign_encode": check_sign_encode,
+    "sign_decode": check_sign_decode,
+    "qsgd_encode": check_qsgd_encode,
+    "qsgd_decode": check_qsgd_decode,
+    "topk_select": check_topk_select,
+    "sparse_scatter_add": check_sparse_scatter_add,
+    "randomk_gather": check_randomk_gather,
+    "randomk_scatter_add": check_randomk_scatter_add,
+}
+
+
+# ----- data errors the Python backends find (the native ops word their own) ---------------------
+def non_finite(op: str, has_residual: bool) -> NonFiniteError:
+    """NaN/Inf in the values an op was given; nothing was written."""
+    source = "x + residual" if has_residual else "x"
+    return NonFiniteError(f"{op}: {source} contains NaN or Inf; nothing was written")
+
+
+def overflow(op: str, what: str, dtype: torch.dtype) -> KernelArgumentError:
+    """A computed scale or value overflows ``dtype``; nothing was written."""
+    return fail(op, f"{what} overflows {dtype} (NaN or Inf; nothing was written)")
+
+
+def norm_above_range(op: str, norms: torch.Tensor, limit: float, dtype: torch.dtype) -> KernelArgumentError:
+    """A QSGD bucket norm above ``limit``, the largest value of ``dtype``."""
+    first = float(norms[norms > limit][0])
+    return fail(op, f"a bucket norm {first:g} exceeds {dtype}'s range; use a smaller bucket_size (nothing was written)")
+
+
+def scaled_overflow(op: str, dtype: torch.dtype) -> KernelArgumentError:
+    """Random-k's value times its stratum length overflows ``dtype``."""
+    return fail(op, f"x scaled by its block length overflows {dtype}; use scaled=False")
+
+
+def field_too_wide(fields: torch.Tensor, i: int, bits: int) -> KernelArgumentError:
+    """``fields[i]`` does not fit in ``bits`` bits."""
+    return fail("pack_bits", f"fields[{i}] = {int(fields[i])} does not fit in bits={bits} (every field must be < {1 << bits})")
+
+
+def bad_index(p: int, j: int, value: int, previous: int, n: int) -> KernelArgumentError:
+    """The first invalid index ``indices[p][j]`` of a sparse scatter-add."""
+    op = "sparse_scatter_add"
+    if not 0 <= value < n:
+        return fail(op, f"indices[{p}][{j}] = {value} is out of range [0, {n})")
+    return fail(op, f"indices[{p}] must be strictly increasing (no duplicates): indices[{p}][{j}] = {value} follows {previous}")

@@ -10,62 +10,56 @@ How it maps onto the native build:
 * **Sources.** Each ``csrc/cuda/<unit>.cu`` is one NVRTC program (like one nvcc translation
   unit). Their host code -- the C launchers and ``<<<...>>>`` -- is fenced off with
   ``#ifndef __CUDACC_RTC__``; ``csrc/cuda/nvrtc/`` stands in for the few system headers. The
-  kernels are templates, so every instantiation launched here is listed as an NVRTC name
-  expression (:func:`module_source`) and looked up by its lowered name.
+  kernels are templates: every instantiation the launchers use is an NVRTC name expression
+  in the table of ``csrc/cuda/launch_params.h`` (:func:`launch_params`), looked up by its
+  lowered name.
+* **Launch parameters** (threads, grid caps, reduction kinds, flag bits, scratch layouts) are
+  read from that same header, which the C launchers include: nothing here restates them.
 * **Compiler options** are nvcc's defaults spelled out (``-ftz=false -prec-div=true
   -prec-sqrt=true -fmad=true``): results must not depend on the compiler. That is also why
   this module calls NVRTC itself (:func:`compile_unit`) and loads the binary with
   ``cupy.RawModule(path=...)`` instead of ``RawModule(code=...)``: CuPy appends ``-ftz=true``
   to every source it compiles, which would flush float32 subnormals to zero.
 * **Launches** follow the C launchers (``csrc/cuda/*.cu``, ``extern "C"``) step by step:
-  same kernels, grids, scratch layout and flag words, on torch's current stream. Outputs and
+  same kernels, grid formulas, scratch layout and flag words, on torch's current stream. Outputs and
   scratch are torch tensors (torch's caching allocator); kernels get raw device pointers, so
   float16/bfloat16 tensors need no CuPy dtype (CuPy has no bfloat16).
-* **Errors** are checked first with :mod:`.checks` (the native messages); data errors (NaN/Inf,
-  an overflowing scale, a bad index) come back through the same flag words as in
-  ``csrc/cuda/bindings.cpp`` and raise the same messages. Reading a flag synchronises the
-  stream, as in the native binding.
+* **Errors**: arguments arrive validated (:mod:`commpress.kernels.ops` runs the op's check in
+  :mod:`.checks` before any backend; call these only through it). Data errors (NaN/Inf, an
+  overflowing scale, a bad index) come back through the flag words of the launchers and raise
+  the errors :mod:`.checks` words. Reading a flag synchronises the stream, as in the native
+  binding.
 
 Nothing here touches CUDA or CuPy before an op runs or :func:`unavailable` is called.
 """
 
 from __future__ import annotations
 
+import ast
+import itertools
 import os
+import re
 import tempfile
 import threading
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import torch
 
 from .. import rng
+from ..dtypes import accumulate_dtype, index_dtype
 from . import checks
 from .backends import OP_NAMES
-from .checks import c10_name, compute_dtype, fail
 
-DEVICE = "cuda"
 OPS = frozenset(OP_NAMES)  # all of them
 
 #: csrc/ of the repository (the backend needs the CUDA sources at run time).
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 UNITS = ("bitpack", "sign", "qsgd", "topk", "randomk")
-
-# Constants of csrc/cuda/common.cuh, block_sums.cuh and topk.cu (launch geometry).
-_THREADS = 256
-_WARP = 32
-_MAX_BLOCKS = 1 << 16
-_GROUP_ELEMS = _WARP * 32  # kWarp * kSumChunk
-_BINS = 1 << 11  # topk kBins
-_DIGIT_BITS = 11
-_COUNT_BLOCKS = 1024
-_STATE_BYTES = 32  # sizeof(SelectState)
-# block_sums.cuh SumKind and Flag
-_SUM_ABS, _SUM_SQUARE, _SUM_SCALED_SQUARE, _MAX_ABS = 0, 1, 2, 3
-_FLAG_NON_FINITE, _FLAG_OVERFLOW, _FLAG_TOO_BIG = 1, 2, 4
 
 # Storage type of each dtype in the kernels (include/commpress/hd.h).
 _CTYPE = {
@@ -74,73 +68,71 @@ _CTYPE = {
     torch.bfloat16: "commpress::BFloat16",
     torch.float64: "double",
 }
-_CTYPES = tuple(_CTYPE.values())
 _BOOLS = ("false", "true")
-# Largest finite value of each dtype (bindings.cpp dtype_max).
-_DTYPE_MAX = {
-    torch.float16: 65504.0,
-    torch.bfloat16: 3.3895313892515355e38,
-    torch.float32: 3.4028234663852886e38,
-    torch.float64: 1.7976931348623157e308,
-}
+_NS = "commpress::cuda::"
 # struct Layout of block_sums.cuh, passed to kernels by value.
 _LAYOUT = np.dtype([("n", "<i8"), ("block", "<i8"), ("nblocks", "<i8"), ("groups", "<i8")])
 
 
-# ----- sources ------------------------------------------------------------------------------------
+# ----- csrc/cuda/launch_params.h -------------------------------------------------------------------
+_CONSTEXPR = re.compile(r"constexpr\s+[\w:]+\s+(k\w+)\s*=\s*([^;{]+);")
+_ENUM = re.compile(r"enum\s+\w+\s*:\s*int\s*\{([^}]*)\}")
+_TABLE = re.compile(r"constexpr\s+const\s+char\s*\*\s*(k\w+)\[\]\s*=\s*\{(.*?)\};", re.S)
+_ARITH = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Constant, ast.Name, ast.Load, ast.Add,
+          ast.Sub, ast.Mult, ast.FloorDiv, ast.LShift, ast.USub)
+
+
+def _eval_int(expr: str, known: dict[str, int]) -> int:
+    """An integer constant expression of the header (literals, earlier constants, + - * / <<)."""
+    tree = ast.parse(expr.replace("/", "//"), mode="eval")
+    for node in ast.walk(tree):
+        if not isinstance(node, _ARITH) or (isinstance(node, ast.Constant) and type(node.value) is not int):
+            raise ValueError(f"launch_params.h: unsupported constant expression {expr!r}")
+        if isinstance(node, ast.Name) and node.id not in known:
+            raise ValueError(f"launch_params.h: {node.id} used before it is defined in {expr!r}")
+    return int(eval(compile(tree, "launch_params.h", "eval"), {"__builtins__": {}}, dict(known)))
+
+
+@lru_cache(maxsize=1)
+def launch_params() -> SimpleNamespace:
+    """The constants, enumerators and kernel table of ``csrc/cuda/launch_params.h``.
+
+    Attributes: every ``constexpr`` integer and enumerator by its C++ name (``kThreads``,
+    ``kFlagNonFinite``, ...), and ``kernels``: unit -> NVRTC name expressions, the table's
+    ``{X}`` placeholders expanded over ``kNameDomains``. Read once, on first use; needs no GPU.
+    """
+    text = re.sub(r"//[^\n]*", "", (CSRC / "cuda" / "launch_params.h").read_text(encoding="utf-8"))
+    values: dict[str, int] = {}
+    for name, expr in _CONSTEXPR.findall(text):
+        values[name] = _eval_int(expr.strip(), values)
+    for body in _ENUM.findall(text):
+        for item in body.split(","):
+            if item.strip():
+                name, expr = (part.strip() for part in item.split("="))
+                values[name] = _eval_int(expr, values)
+    tables = {name: re.findall(r'"([^"]*)"', body) for name, body in _TABLE.findall(text)}
+    domains = {}
+    for entry in tables["kNameDomains"]:
+        key, _, vals = entry.partition("=")
+        domains[key.strip()] = [v.strip() for v in vals.split(",")]
+    kernels: dict[str, list[str]] = {}
+    for entry in tables["kKernelNames"]:
+        unit, _, expr = (part.strip() for part in entry.partition(":"))
+        keys = [k for k in domains if "{" + k + "}" in expr]
+        for combo in itertools.product(*(domains[k] for k in keys)):
+            name = expr
+            for key, value in zip(keys, combo):
+                name = name.replace("{" + key + "}", value)
+            kernels.setdefault(unit, []).append(name)
+    return SimpleNamespace(**values, kernels=kernels)
+
+
 def _kernel_names(unit: str) -> list[str]:
     """Every kernel instantiation the launches of ``unit`` use (NVRTC name expressions)."""
-    ns = "commpress::cuda::"
-    names: list[str] = []
-    if unit == "bitpack":
-        for b in (1, 2, 4, 8):
-            names += [f"commpress::pack_kernel<{b}>", f"commpress::unpack_kernel<{b}>"]
-        return names
-    if unit in ("sign", "qsgd"):
-        names += [f"{ns}tree_level_kernel<false>"]
-        for t in _CTYPES:
-            for e in _BOOLS:
-                if unit == "sign":
-                    kinds = [_SUM_ABS]
-                elif t == "double":  # float64 norms: a max pass, then scaled squares
-                    kinds = [_MAX_ABS, _SUM_SCALED_SQUARE]
-                else:
-                    kinds = [_SUM_SQUARE]
-                names += [f"{ns}group_sums_kernel<{k}, {t}, {e}>" for k in kinds]
-        if unit == "sign":
-            for t in _CTYPES:
-                names.append(f"{ns}sign_finalize_kernel<{t}>")
-                names += [f"{ns}sign_encode_kernel<{t}, {e}>" for e in _BOOLS]
-                names += [f"{ns}sign_decode_kernel<{t}, {a}>" for a in _BOOLS]
-            return names
-        names.append(f"{ns}tree_level_kernel<true>")
-        for t in _CTYPES:
-            names.append(f"{ns}qsgd_finalize_kernel<{t}>")
-            for b in (2, 4, 8):
-                names += [f"{ns}qsgd_encode_kernel<{t}, {e}, {b}>" for e in _BOOLS]
-                names += [f"{ns}qsgd_decode_kernel<{t}, {b}, {a}>" for a in _BOOLS]
-        return names
-    if unit == "topk":
-        names += [f"{ns}select_digit_kernel", f"{ns}scan_counts_kernel"]
-        for t in _CTYPES:
-            names += [
-                f"{ns}check_finite_kernel<{t}>",
-                f"{ns}histogram_kernel<{t}>",
-                f"{ns}count_kernel<{t}>",
-            ]
-            for i in ("int32_t", "int64_t"):
-                names += [f"{ns}write_kernel<{t}, {i}>", f"{ns}scatter_add_kernel<{i}, {t}>"]
-        names += [f"{ns}scatter_validate_kernel<{i}>" for i in ("int32_t", "int64_t")]
-        return names
-    if unit == "randomk":
-        for t in _CTYPES:
-            names += [
-                f"{ns}check_finite_kernel<{t}>",
-                f"{ns}gather_kernel<{t}>",
-                f"{ns}scatter_kernel<{t}>",
-            ]
-        return names
-    raise ValueError(f"unknown CUDA source unit {unit!r}; expected one of {', '.join(UNITS)}")
+    names = launch_params().kernels.get(unit)
+    if not names:
+        raise ValueError(f"unknown CUDA source unit {unit!r}; expected one of {', '.join(UNITS)}")
+    return names
 
 
 def module_source(unit: str) -> tuple[str, tuple[str, ...], list[str]]:
@@ -301,16 +293,21 @@ def _ptr(t: torch.Tensor | None, byte_offset: int = 0) -> np.uint64:
     return np.uint64(0 if t is None else t.data_ptr() + byte_offset)
 
 
-def _blocks_for(items: int, threads: int = _THREADS) -> int:
+def _p() -> SimpleNamespace:
+    return launch_params()
+
+
+def _blocks_for(items: int) -> int:
     """common.cuh blocks_for."""
-    blocks = -(-items // threads)
-    return max(1, min(blocks, _MAX_BLOCKS))
+    blocks = -(-items // _p().kThreads)
+    return max(1, min(blocks, _p().kMaxBlocks))
 
 
 def _layout(n: int, block: int) -> tuple[np.void, int, int]:
     """(Layout struct, nblocks, groups_per_block) of block_sums.cuh make_layout."""
-    nblocks = 0 if n == 0 else -(-n // block)
-    groups = -(-block // _GROUP_ELEMS)
+    block = checks.effective_block(n, block)
+    nblocks = checks.n_blocks(n, block)
+    groups = -(-block // _p().kGroupElems)
     struct: np.void = np.array([(n, block, nblocks, groups)], dtype=_LAYOUT)[0]
     return struct, nblocks, groups
 
@@ -322,12 +319,12 @@ def _reduce_scratch(nblocks: int, groups: int) -> int:
         total += nblocks * per
         if per == 1:
             return total
-        per = -(-per // _WARP)
+        per = -(-per // _p().kWarp)
 
 
 def _block_reduce(
     launch: _Launcher,
-    kind: int,
+    kind: str,
     x: torch.Tensor,
     e: torch.Tensor | None,
     amax_off: int | None,
@@ -341,9 +338,9 @@ def _block_reduce(
     t, has_e = _CTYPE[x.dtype], _BOOLS[e is not None]
     amax = _ptr(scratch, 8 * amax_off) if amax_off is not None else np.uint64(0)
     launch(
-        f"commpress::cuda::group_sums_kernel<{kind}, {t}, {has_e}>",
-        _blocks_for(nblocks * groups * _WARP),
-        _THREADS,
+        f"{_NS}group_sums_kernel<{_NS}{kind}, {t}, {has_e}>",
+        _blocks_for(nblocks * groups * _p().kWarp),
+        _p().kThreads,
         _ptr(x),
         _ptr(e),
         amax,
@@ -351,15 +348,15 @@ def _block_reduce(
         _ptr(scratch, 8 * base),
         _ptr(flags),
     )
-    level = _BOOLS[kind == _MAX_ABS]
+    level = _BOOLS[kind == "kMaxAbs"]
     src, per = base, groups
     while per > 1:
-        per_out = -(-per // _WARP)
+        per_out = -(-per // _p().kWarp)
         dst = src + nblocks * per
         launch(
             f"commpress::cuda::tree_level_kernel<{level}>",
-            _blocks_for(nblocks * per_out * _WARP),
-            _THREADS,
+            _blocks_for(nblocks * per_out * _p().kWarp),
+            _p().kThreads,
             _ptr(scratch, 8 * src),
             np.int64(per),
             np.int64(nblocks),
@@ -377,8 +374,6 @@ def _read_flags(flags: torch.Tensor) -> int:
 # ----- bit packing --------------------------------------------------------------------------------
 def pack_bits(fields: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack ``bits``-wide fields LSB-first (specification: :mod:`commpress.bitpack`)."""
-    checks.check_bits("pack_bits", bits)
-    checks.check_byte_vector("pack_bits", "fields", fields, DEVICE)
     n = fields.numel()
     packed = torch.empty(checks.packed_nbytes(n, bits), dtype=torch.uint8, device=fields.device)
     if n == 0:
@@ -388,8 +383,8 @@ def pack_bits(fields: torch.Tensor, bits: int) -> torch.Tensor:
     launch = _Launcher("bitpack", fields.device)
     launch(
         f"commpress::pack_kernel<{bits}>",
-        min(-(-nbytes // _THREADS), _MAX_BLOCKS),
-        _THREADS,
+        min(-(-nbytes // _p().kThreads), _p().kMaxBlocks),
+        _p().kThreads,
         _ptr(fields),
         np.int64(n),
         _ptr(packed),
@@ -398,22 +393,18 @@ def pack_bits(fields: torch.Tensor, bits: int) -> torch.Tensor:
     )
     bad = int(first_bad.item())
     if bad >= 0:
-        raise fail(
-            "pack_bits",
-            f"fields[{bad}] = {int(fields[bad])} does not fit in bits={bits} (every field must be < {1 << bits})",
-        )
+        raise checks.field_too_wide(fields, bad, bits)
     return packed
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Unpack ``n`` fields of ``bits`` bits."""
-    checks.check_unpack(packed, bits, n, DEVICE)
     fields = torch.empty(n, dtype=torch.uint8, device=packed.device)
     if n:
         _Launcher("bitpack", packed.device)(
             f"commpress::unpack_kernel<{bits}>",
-            min(-(-n // _THREADS), _MAX_BLOCKS),
-            _THREADS,
+            min(-(-n // _p().kThreads), _p().kMaxBlocks),
+            _p().kThreads,
             _ptr(packed),
             np.int64(n),
             _ptr(fields),
@@ -427,26 +418,27 @@ def sign_encode(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(scales, bits)`` of sign; with ``residual``, fused error feedback (updated in place)."""
     op = "sign_encode"
-    block = checks.check_sign_encode(x, residual, block_size, DEVICE)
     n = x.numel()
-    ct = compute_dtype(x.dtype)
+    block = checks.effective_block(n, block_size)
+    ct = accumulate_dtype(x.dtype)
     scales = torch.empty(checks.n_blocks(n, block), dtype=ct, device=x.device)
     bits = torch.empty(checks.packed_nbytes(n, 1), dtype=torch.uint8, device=x.device)
     if n == 0:
         return scales, bits
     layout = _layout(n, block)
     struct, nblocks, groups = layout
+    reductions = _p().kReductions  # the launcher's scratch: commpress_reduce_scratch_cuda
     scratch = torch.empty(
-        2 * _reduce_scratch(nblocks, groups) + 2, dtype=torch.float64, device=x.device
+        reductions * _reduce_scratch(nblocks, groups) + reductions, dtype=torch.float64, device=x.device
     )
     flags = torch.zeros(1, dtype=torch.int32, device=x.device)
     launch = _Launcher("sign", x.device)
     t, has_e = _CTYPE[x.dtype], _BOOLS[residual is not None]
-    sums = _block_reduce(launch, _SUM_ABS, x, residual, None, layout, scratch, 0, flags)
+    sums = _block_reduce(launch, "kSumAbs", x, residual, None, layout, scratch, 0, flags)
     launch(
         f"commpress::cuda::sign_finalize_kernel<{t}>",
         _blocks_for(nblocks),
-        _THREADS,
+        _p().kThreads,
         _ptr(scratch, 8 * sums),
         struct,
         _ptr(scales),
@@ -454,8 +446,8 @@ def sign_encode(
     )
     launch(
         f"commpress::cuda::sign_encode_kernel<{t}, {has_e}>",
-        _blocks_for(-(-n // _WARP) * _WARP),
-        _THREADS,
+        _blocks_for(-(-n // _p().kWarp) * _p().kWarp),
+        _p().kThreads,
         _ptr(x),
         _ptr(residual),
         _ptr(scales),
@@ -464,13 +456,10 @@ def sign_encode(
         _ptr(flags),
     )
     f = _read_flags(flags)
-    if f & _FLAG_NON_FINITE:
+    if f & _p().kFlagNonFinite:
         raise checks.non_finite(op, residual is not None)
-    if f & _FLAG_OVERFLOW:
-        raise fail(
-            op,
-            f"a block's mean magnitude overflows {c10_name(ct)} (NaN or Inf scale; nothing was written)",
-        )
+    if f & _p().kFlagOverflow:
+        raise checks.overflow(op, "a block's mean magnitude", ct)
     return scales, bits
 
 
@@ -482,18 +471,15 @@ def sign_decode(
     accumulate: bool = True,
 ) -> None:
     """``out (+)= +-scale`` per element."""
-    op = "sign_decode"
-    block = checks.check_sign_decode(scales, bits, block_size, out, DEVICE)
-    checks.check_same_device(op, "scales", scales, out, "out")
-    checks.check_same_device(op, "bits", bits, out, "out")
     n = out.numel()
+    block = checks.effective_block(n, block_size)
     if n == 0:
         return
     struct, _, _ = _layout(n, block)
     _Launcher("sign", out.device)(
         f"commpress::cuda::sign_decode_kernel<{_CTYPE[out.dtype]}, {_BOOLS[bool(accumulate)]}>",
-        _blocks_for(-(-n // _WARP) * _WARP),
-        _THREADS,
+        _blocks_for(-(-n // _p().kWarp) * _p().kWarp),
+        _p().kThreads,
         _ptr(scales),
         _ptr(bits),
         struct,
@@ -512,9 +498,8 @@ def qsgd_encode(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(norms, packed levels)`` of QSGD; with ``residual``, fused error feedback."""
     op = "qsgd_encode"
-    checks.check_qsgd_encode(x, residual, bits, levels, bucket_size, DEVICE)
     n = x.numel()
-    ct = compute_dtype(x.dtype)
+    ct = accumulate_dtype(x.dtype)
     norms = torch.empty(checks.n_blocks(n, bucket_size), dtype=ct, device=x.device)
     packed = torch.empty(checks.packed_nbytes(n, bits), dtype=torch.uint8, device=x.device)
     if n == 0:
@@ -522,24 +507,25 @@ def qsgd_encode(
     layout = _layout(n, bucket_size)
     struct, nblocks, groups = layout
     per_reduction = _reduce_scratch(nblocks, groups)
-    scratch = torch.empty(2 * per_reduction + 2, dtype=torch.float64, device=x.device)
+    reductions = _p().kReductions  # the launcher's scratch: commpress_reduce_scratch_cuda
+    scratch = torch.empty(reductions * per_reduction + reductions, dtype=torch.float64, device=x.device)
     flags = torch.zeros(1, dtype=torch.int32, device=x.device)
     launch = _Launcher("qsgd", x.device)
     t, has_e = _CTYPE[x.dtype], _BOOLS[residual is not None]
     amax: int | None = None
     if x.dtype == torch.float64:
         # squares of float64 can overflow: divide by the bucket's max magnitude first
-        amax = _block_reduce(launch, _MAX_ABS, x, residual, None, layout, scratch, 0, flags)
+        amax = _block_reduce(launch, "kMaxAbs", x, residual, None, layout, scratch, 0, flags)
         sums = _block_reduce(
-            launch, _SUM_SCALED_SQUARE, x, residual, amax, layout, scratch, per_reduction + 1, flags
+            launch, "kSumScaledSquare", x, residual, amax, layout, scratch, per_reduction + 1, flags
         )
     else:
-        sums = _block_reduce(launch, _SUM_SQUARE, x, residual, None, layout, scratch, 0, flags)
-    limit = _DTYPE_MAX[x.dtype]
+        sums = _block_reduce(launch, "kSumSquare", x, residual, None, layout, scratch, 0, flags)
+    limit = float(torch.finfo(x.dtype).max)
     launch(
         f"commpress::cuda::qsgd_finalize_kernel<{t}>",
         _blocks_for(nblocks),
-        _THREADS,
+        _p().kThreads,
         _ptr(scratch, 8 * sums),
         _ptr(scratch, 8 * amax) if amax is not None else np.uint64(0),
         struct,
@@ -549,8 +535,8 @@ def qsgd_encode(
     )
     launch(
         f"commpress::cuda::qsgd_encode_kernel<{t}, {has_e}, {bits}>",
-        _blocks_for(-(-n // _WARP) * _WARP),
-        _THREADS,
+        _blocks_for(-(-n // _p().kWarp) * _p().kWarp),
+        _p().kThreads,
         _ptr(x),
         _ptr(residual),
         _ptr(norms),
@@ -561,14 +547,11 @@ def qsgd_encode(
         _ptr(flags),
     )
     f = _read_flags(flags)
-    if f & _FLAG_NON_FINITE:
+    if f & _p().kFlagNonFinite:
         raise checks.non_finite(op, residual is not None)
-    if f & _FLAG_OVERFLOW:
-        raise fail(
-            op,
-            f"a bucket norm overflows {c10_name(ct)} (NaN or Inf norm; nothing was written)",
-        )
-    if f & _FLAG_TOO_BIG:
+    if f & _p().kFlagOverflow:
+        raise checks.overflow(op, "a bucket norm", ct)
+    if f & _p().kFlagTooBig:
         raise checks.norm_above_range(op, norms, limit, x.dtype)
     return norms, packed
 
@@ -583,18 +566,14 @@ def qsgd_decode(
     accumulate: bool = True,
 ) -> None:
     """``out (+)= norm * ((field - s) / s)`` per element."""
-    op = "qsgd_decode"
-    checks.check_qsgd_decode(norms, packed, bits, levels, bucket_size, out, DEVICE)
-    checks.check_same_device(op, "norms", norms, out, "out")
-    checks.check_same_device(op, "packed", packed, out, "out")
     n = out.numel()
     if n == 0:
         return
     struct, _, _ = _layout(n, bucket_size)
     _Launcher("qsgd", out.device)(
         f"commpress::cuda::qsgd_decode_kernel<{_CTYPE[out.dtype]}, {bits}, {_BOOLS[bool(accumulate)]}>",
-        _blocks_for(-(-n // _WARP) * _WARP),
-        _THREADS,
+        _blocks_for(-(-n // _p().kWarp) * _p().kWarp),
+        _p().kThreads,
         _ptr(norms),
         _ptr(packed),
         struct,
@@ -607,48 +586,44 @@ def qsgd_decode(
 def topk_select(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(indices, values)`` of the k largest ``|x|``, exact, ties to the lower index, ascending."""
     op = "topk_select"
-    checks.check_topk_select(x, k, DEVICE)
     n = x.numel()
-    index64 = n > (1 << 31) - 1
-    indices = torch.empty(k, dtype=torch.int64 if index64 else torch.int32, device=x.device)
+    index64 = index_dtype(n) == torch.int64
+    indices = torch.empty(k, dtype=index_dtype(n), device=x.device)
     values = torch.empty(k, dtype=x.dtype, device=x.device)
     if n == 0:
         return indices, values
     t = _CTYPE[x.dtype]
     flags = torch.zeros(1, dtype=torch.int32, device=x.device)
     launch = _Launcher("topk", x.device)
-    ns = "commpress::cuda::"
+    ns, lp = _NS, _p()
     if k == 0:  # nothing to select, but x must still be finite
         launch(
             f"{ns}check_finite_kernel<{t}>",
             _blocks_for(n),
-            _THREADS,
+            _p().kThreads,
             _ptr(x),
             np.int64(n),
             _ptr(flags),
         )
     else:
-        # scratch: SelectState, then hist[kBins], counts, off_gt, off_eq (kCountBlocks each)
-        scratch = torch.empty(
-            _STATE_BYTES // 8 + _BINS + 3 * _COUNT_BLOCKS, dtype=torch.int64, device=x.device
-        )
-        state = scratch[: _STATE_BYTES // 8]
-        state.zero_()
-        state[2].fill_(k)  # SelectState{prefix 0, mask 0, remaining k, pad 0}
-        hist = scratch[_STATE_BYTES // 8 : _STATE_BYTES // 8 + _BINS]
-        counts_off = _STATE_BYTES + 8 * _BINS
-        gt_off, eq_off = counts_off + 8 * _COUNT_BLOCKS, counts_off + 16 * _COUNT_BLOCKS
+        # scratch (launch_params.h): SelectState, hist[kBins], counts, off_gt, off_eq
+        scratch = torch.zeros(lp.kTopkScratchWords, dtype=torch.int64, device=x.device)
+        state = scratch[: lp.kSelectStateWords]
+        state[lp.kSelectRemainingWord].fill_(k)  # SelectState{prefix 0, mask 0, remaining k, pad 0}
+        hist = scratch[lp.kSelectStateWords : lp.kSelectStateWords + lp.kBins]
+        counts_off = 8 * (lp.kSelectStateWords + lp.kBins)
+        gt_off, eq_off = counts_off + 8 * lp.kCountBlocks, counts_off + 16 * lp.kCountBlocks
         # the top key bit is the sign, always 0 after fabs: digits cover bits [0, key_bits - 1)
         shift = (64 if x.dtype == torch.float64 else 32) - 1
         first = True
         while shift > 0:
-            width = min(shift, _DIGIT_BITS)
+            width = min(shift, _p().kDigitBits)
             shift -= width
             hist.zero_()
             launch(
                 f"{ns}histogram_kernel<{t}>",
-                min(_blocks_for(n), 1024),
-                _THREADS,
+                min(_blocks_for(n), lp.kHistogramBlocks),
+                _p().kThreads,
                 _ptr(x),
                 np.int64(n),
                 _ptr(state),
@@ -661,18 +636,18 @@ def topk_select(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
             launch(
                 f"{ns}select_digit_kernel",
                 1,
-                _THREADS,
+                _p().kThreads,
                 _ptr(hist),
                 np.int32(shift),
                 np.int32(width),
                 _ptr(state),
             )
             first = False
-        cblocks = min(n // _THREADS + 1, _COUNT_BLOCKS)
+        cblocks = min(n // _p().kThreads + 1, _p().kCountBlocks)
         launch(
             f"{ns}count_kernel<{t}>",
             cblocks,
-            _THREADS,
+            _p().kThreads,
             _ptr(x),
             np.int64(n),
             _ptr(state),
@@ -681,7 +656,7 @@ def topk_select(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         launch(
             f"{ns}scan_counts_kernel",
             1,
-            _COUNT_BLOCKS,
+            _p().kCountBlocks,
             _ptr(scratch, counts_off),
             np.int32(cblocks),
             _ptr(scratch, gt_off),
@@ -690,7 +665,7 @@ def topk_select(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         launch(
             f"{ns}write_kernel<{t}, {'int64_t' if index64 else 'int32_t'}>",
             cblocks,
-            _THREADS,
+            _p().kThreads,
             _ptr(x),
             np.int64(n),
             _ptr(state),
@@ -699,8 +674,8 @@ def topk_select(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
             _ptr(indices),
             _ptr(values),
         )
-    if _read_flags(flags) & 1:
-        raise fail(op, "x contains NaN or Inf (non-finite input)")
+    if _read_flags(flags) & lp.kFlagNonFinite:
+        raise checks.non_finite(op, False)
     return indices, values
 
 
@@ -708,16 +683,10 @@ def sparse_scatter_add(
     indices: Sequence[torch.Tensor], values: Sequence[torch.Tensor], out: torch.Tensor
 ) -> None:
     """``out[indices[p]] += values[p]`` payload by payload; every payload is validated first."""
-    op = "sparse_scatter_add"
-    indices, values = list(indices), list(values)
-    checks.check_scatter_payloads(indices, values, out, DEVICE)
-    for idx, val in zip(indices, values):
-        checks.check_same_device(op, "indices[p]", idx, out, "out")
-        checks.check_same_device(op, "values[p]", val, out, "out")
     if not indices:
         return
     n = out.numel()
-    ns = "commpress::cuda::"
+    ns = _NS
     launch = _Launcher("topk", out.device)
     # All payloads are validated before any is added: the add kernels skip once first_bad is set.
     first_bad = torch.full((1,), -1, dtype=torch.int64, device=out.device)  # UINT64_MAX
@@ -726,7 +695,7 @@ def sparse_scatter_add(
             launch(
                 f"{ns}scatter_validate_kernel<{'int64_t' if idx.dtype == torch.int64 else 'int32_t'}>",
                 _blocks_for(idx.numel()),
-                _THREADS,
+                _p().kThreads,
                 _ptr(idx),
                 np.int64(idx.numel()),
                 np.int64(n),
@@ -739,7 +708,7 @@ def sparse_scatter_add(
             launch(
                 f"{ns}scatter_add_kernel<{'int64_t' if idx.dtype == torch.int64 else 'int32_t'}, {t}>",
                 _blocks_for(idx.numel()),
-                _THREADS,
+                _p().kThreads,
                 _ptr(idx),
                 _ptr(val),
                 np.int64(idx.numel()),
@@ -752,14 +721,13 @@ def sparse_scatter_add(
         # kind bit 0: out of range, 1: not increasing; the message follows from the values
         value = int(indices[p][j])
         previous = int(indices[p][j - 1]) if j else 0
-        raise fail(op, checks.bad_index_message(p, j, value, previous, n))
+        raise checks.bad_index(p, j, value, previous, n)
 
 
 # ----- random-k -----------------------------------------------------------------------------------
 def randomk_gather(x: torch.Tensor, k: int, seed: int, scaled: bool) -> torch.Tensor:
     """The k values random-k sends (one per stratum, shared-seed positions)."""
     op = "randomk_gather"
-    checks.check_randomk_gather(x, k, DEVICE)
     n = x.numel()
     values = torch.empty(k, dtype=x.dtype, device=x.device)
     if n == 0:
@@ -770,7 +738,7 @@ def randomk_gather(x: torch.Tensor, k: int, seed: int, scaled: bool) -> torch.Te
     launch(
         f"commpress::cuda::check_finite_kernel<{t}>",
         _blocks_for(n),
-        _THREADS,
+        _p().kThreads,
         _ptr(x),
         np.int64(n),
         _ptr(flags),
@@ -778,7 +746,7 @@ def randomk_gather(x: torch.Tensor, k: int, seed: int, scaled: bool) -> torch.Te
     launch(
         f"commpress::cuda::gather_kernel<{t}>",
         _blocks_for(k),
-        _THREADS,
+        _p().kThreads,
         _ptr(x),
         np.int64(n),
         np.int64(k),
@@ -788,26 +756,22 @@ def randomk_gather(x: torch.Tensor, k: int, seed: int, scaled: bool) -> torch.Te
         _ptr(flags),
     )
     f = _read_flags(flags)
-    if f & 1:
-        raise fail(op, "x contains NaN or Inf (non-finite input)")
-    if f & 2:
-        raise fail(
-            op, f"x scaled by its block length overflows {c10_name(x.dtype)}; use scaled=False"
-        )
+    if f & _p().kFlagNonFinite:
+        raise checks.non_finite(op, False)
+    if f & _p().kFlagOverflow:
+        raise checks.scaled_overflow(op, x.dtype)
     return values
 
 
 def randomk_scatter_add(values: torch.Tensor, seed: int, out: torch.Tensor) -> None:
     """``out[idx] += values`` at the seed's random-k positions."""
-    checks.check_randomk_scatter(values, out, DEVICE)
-    checks.check_same_device("randomk_scatter_add", "values", values, out, "out")
     k = values.numel()
     if k == 0:
         return
     _Launcher("randomk", out.device)(
         f"commpress::cuda::scatter_kernel<{_CTYPE[out.dtype]}>",
         _blocks_for(k),
-        _THREADS,
+        _p().kThreads,
         _ptr(values),
         np.int64(k),
         np.int64(out.numel()),

@@ -14,10 +14,12 @@ rounds to the input dtype is rounded here by :func:`_round` (round to nearest ev
 in float64 with power-of-two quanta, so it is exact). float32/float64 arrays are used in
 place, with no copy.
 
-Kernels return a status code instead of raising (numba raises poorly); the wrappers check
-the arguments first (:mod:`commpress.kernels.checks`: numba does no bounds checking) and turn
-a status into the same message the native ops give. Compiled code is cached on disk
-(``cache=True``), so only the first use on a machine pays the compile.
+Arguments arrive validated: :mod:`commpress.kernels.ops` runs the op's check
+(:mod:`commpress.kernels.checks`) before any backend, and numba does no bounds checking, so
+call these only through it. Kernels return a status code instead of raising (numba raises
+poorly); the wrappers turn a status into the error :mod:`.checks` words (NaN/Inf:
+:class:`~commpress.errors.NonFiniteError`). Compiled code is cached on disk (``cache=True``),
+so only the first use on a machine pays the compile.
 """
 
 from __future__ import annotations
@@ -30,11 +32,10 @@ import numpy as np
 import torch
 
 from .. import rng
+from ..dtypes import accumulate_dtype, index_dtype
 from . import checks
 from .backends import OP_NAMES
-from .checks import c10_name, compute_dtype, fail
 
-DEVICE = "cpu"
 OPS = frozenset(OP_NAMES)  # all of them
 
 # Rounding modes: the dtype whose values the reference rounds to.
@@ -65,7 +66,7 @@ def _kernels() -> Any:
 # ----- dtype plumbing --------------------------------------------------------------------------
 def _as_compute(t: torch.Tensor) -> torch.Tensor:
     """``t`` in its compute dtype: the same tensor for float32/64, an exact float32 copy else."""
-    ct = compute_dtype(t.dtype)
+    ct = accumulate_dtype(t.dtype)
     return t if t.dtype == ct else t.to(ct)
 
 
@@ -82,23 +83,16 @@ def _finish_write(out: torch.Tensor, work: torch.Tensor) -> None:
 # ----- bit packing -------------------------------------------------------------------------------
 def pack_bits(fields: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack ``bits``-wide fields LSB-first (specification: :mod:`commpress.bitpack`)."""
-    checks.check_bits("pack_bits", bits)
-    checks.check_byte_vector("pack_bits", "fields", fields, DEVICE)
     n = fields.numel()
     packed = torch.empty(checks.packed_nbytes(n, bits), dtype=torch.uint8)
     bad = _kernels().pack(_np(fields), bits, _np(packed))
     if bad >= 0:
-        value = int(fields[bad])
-        raise fail(
-            "pack_bits",
-            f"fields[{bad}] = {value} does not fit in bits={bits} (every field must be < {1 << bits})",
-        )
+        raise checks.field_too_wide(fields, bad, bits)
     return packed
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Unpack ``n`` fields of ``bits`` bits."""
-    checks.check_unpack(packed, bits, n, DEVICE)
     fields = torch.empty(n, dtype=torch.uint8)
     _kernels().unpack(_np(packed), bits, n, _np(fields))
     return fields
@@ -109,19 +103,16 @@ def _raise_encode_status(op: str, status: int, has_e: bool, what: str, dtype: to
     if status == _NON_FINITE:
         raise checks.non_finite(op, has_e)
     if status == _OVERFLOW:
-        raise fail(
-            op,
-            f"{what} overflows {c10_name(compute_dtype(dtype))} (NaN or Inf; nothing was written)",
-        )
+        raise checks.overflow(op, what, accumulate_dtype(dtype))
 
 
 def sign_encode(
     x: torch.Tensor, residual: torch.Tensor | None, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(scales, bits)`` of sign; with ``residual``, fused error feedback (updated in place)."""
-    block = checks.check_sign_encode(x, residual, block_size, DEVICE)
     n = x.numel()
-    ct = compute_dtype(x.dtype)
+    block = checks.effective_block(n, block_size)
+    ct = accumulate_dtype(x.dtype)
     scales = torch.empty(checks.n_blocks(n, block), dtype=ct)
     bits = torch.empty(checks.packed_nbytes(n, 1), dtype=torch.uint8)
     if n == 0:
@@ -145,7 +136,7 @@ def sign_decode(
     accumulate: bool = True,
 ) -> None:
     """``out (+)= +-scale`` per element."""
-    block = checks.check_sign_decode(scales, bits, block_size, out, DEVICE)
+    block = checks.effective_block(out.numel(), block_size)
     if out.numel() == 0:
         return
     work = _as_compute(out)
@@ -165,9 +156,9 @@ def qsgd_encode(
     seed: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(norms, packed levels)`` of QSGD; with ``residual``, fused error feedback."""
-    checks.check_qsgd_encode(x, residual, bits, levels, bucket_size, DEVICE)
     n = x.numel()
-    ct = compute_dtype(x.dtype)
+    bucket_size = checks.effective_block(n, bucket_size)
+    ct = accumulate_dtype(x.dtype)
     norms = torch.empty(checks.n_blocks(n, bucket_size), dtype=ct)
     packed = torch.empty(checks.packed_nbytes(n, bits), dtype=torch.uint8)
     if n == 0:
@@ -206,7 +197,7 @@ def qsgd_decode(
     accumulate: bool = True,
 ) -> None:
     """``out (+)= norm * ((field - s) / s)`` per element."""
-    checks.check_qsgd_decode(norms, packed, bits, levels, bucket_size, out, DEVICE)
+    bucket_size = checks.effective_block(out.numel(), bucket_size)
     if out.numel() == 0:
         return
     work = _as_compute(out)
@@ -227,29 +218,24 @@ def qsgd_decode(
 # ----- top-k -------------------------------------------------------------------------------------
 def topk_select(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(indices, values)`` of the k largest ``|x|``, exact, ties to the lower index, ascending."""
-    checks.check_topk_select(x, k, DEVICE)
-    n = x.numel()
-    index_dtype = torch.int32 if n <= (1 << 31) - 1 else torch.int64
     xc = _as_compute(x)
     idx = torch.empty(k, dtype=torch.int64)
     if not _kernels().topk_select(_np(xc), k, _np(idx)):
-        raise fail("topk_select", "x contains NaN or Inf (non-finite input)")
-    return idx.to(index_dtype), x[idx]
+        raise checks.non_finite("topk_select", False)
+    return idx.to(index_dtype(x.numel())), x[idx]
 
 
 def sparse_scatter_add(
     indices: Sequence[torch.Tensor], values: Sequence[torch.Tensor], out: torch.Tensor
 ) -> None:
     """``out[indices[p]] += values[p]`` payload by payload; every payload is checked first."""
-    indices, values = list(indices), list(values)
-    checks.check_scatter_payloads(indices, values, out, DEVICE)
     n = out.numel()
     longs = [idx.long() for idx in indices]
     for p, idx in enumerate(longs):
         j = int(_kernels().first_bad_index(_np(idx), n))
         if j >= 0:
             prev = int(idx[j - 1]) if j else 0
-            raise fail("sparse_scatter_add", checks.bad_index_message(p, j, int(idx[j]), prev, n))
+            raise checks.bad_index(p, j, int(idx[j]), prev, n)
     work = _as_compute(out)
     mode = _MODE[out.dtype]
     for idx, val in zip(longs, values):
@@ -260,7 +246,6 @@ def sparse_scatter_add(
 # ----- random-k ----------------------------------------------------------------------------------
 def randomk_gather(x: torch.Tensor, k: int, seed: int, scaled: bool) -> torch.Tensor:
     """The k values random-k sends (one per stratum, shared-seed positions)."""
-    checks.check_randomk_gather(x, k, DEVICE)
     n = x.numel()
     xc = _as_compute(x)
     values = torch.empty(k, dtype=xc.dtype)
@@ -276,18 +261,14 @@ def randomk_gather(x: torch.Tensor, k: int, seed: int, scaled: bool) -> torch.Te
         _np(values),
     )
     if status == _NON_FINITE:
-        raise fail("randomk_gather", "x contains NaN or Inf (non-finite input)")
+        raise checks.non_finite("randomk_gather", False)
     if status == _OVERFLOW:
-        raise fail(
-            "randomk_gather",
-            f"x scaled by its block length overflows {c10_name(x.dtype)}; use scaled=False",
-        )
+        raise checks.scaled_overflow("randomk_gather", x.dtype)
     return values if values.dtype == x.dtype else values.to(x.dtype)
 
 
 def randomk_scatter_add(values: torch.Tensor, seed: int, out: torch.Tensor) -> None:
     """``out[idx] += values`` at the seed's random-k positions."""
-    checks.check_randomk_scatter(values, out, DEVICE)
     if values.numel() == 0:
         return
     work = _as_compute(out)
@@ -298,7 +279,10 @@ def randomk_scatter_add(values: torch.Tensor, seed: int, out: torch.Tensor) -> N
 
 
 def warm_up() -> None:
-    """Compile (or load from the disk cache) every kernel for float32, so timing excludes it."""
+    """Compile (or load from the disk cache) every kernel for float32, so timing excludes it.
+
+    Calls the kernels directly with arguments known to be valid.
+    """
     x = torch.randn(100)
     e = torch.zeros(100)
     s, b = sign_encode(x, e, 16)

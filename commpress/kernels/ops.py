@@ -14,29 +14,34 @@ Every backend gives bit-identical results (tests/test_native.py and tests/test_k
 it). ``COMMPRESS_BACKEND=<name>`` or :func:`use_backend` puts one backend first wherever it
 has the op; ``COMMPRESS_DISABLE_NATIVE=1`` skips the extension.
 
-Errors: bad arguments raise :class:`~commpress.errors.CodecError` naming the argument, from
-every path; NaN/Inf in the values to encode raise its subclass :class:`NonFiniteError`, and
-then nothing was written (a residual passed for fused error feedback is unchanged).
+One path for every op (:func:`call`): the op's check in :mod:`.checks` (the kernel contract,
+stated once), then the backend. Errors: bad arguments raise
+:class:`~commpress.errors.KernelArgumentError` (a :class:`~commpress.errors.CodecError`)
+naming the argument; NaN/Inf in the values to encode raise
+:class:`~commpress.errors.NonFiniteError`, and then nothing was written (a residual passed
+for fused error feedback is unchanged). The native ops report NaN/Inf as a ValueError and
+every other failure as a RuntimeError (``csrc/checks.h``); :func:`_native` maps them by kind.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from functools import lru_cache
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
-from ..bitpack import check_bits, pack_bits_reference, packed_nbytes, unpack_bits_reference
+from .. import rng
+from ..bitpack import pack_bits_reference, unpack_bits_reference
+from ..dtypes import accumulate_dtype, index_dtype
 from ..errors import CodecError, KernelArgumentError, NonFiniteError
-from . import backends
+from . import backends, checks
 
 _OPS = backends.OP_NAMES
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-_R = TypeVar("_R")
 
 
 @lru_cache(maxsize=1)
@@ -148,14 +153,9 @@ def cpu_isas() -> list[str]:
     return str(torch.ops.commpress.cpu_isas()).split(",")
 
 
-def _nblocks(numel: Any, block: Any) -> Any:
-    return (numel + block - 1) // block
-
-
 def _register_fakes() -> None:
     # Shape functions so torch.compile / opcheck can trace the ops without running them.
-    def compute(dtype: torch.dtype) -> torch.dtype:
-        return torch.float64 if dtype == torch.float64 else torch.float32
+    packed_nbytes = checks.packed_nbytes
 
     @torch.library.register_fake("commpress::pack_bits")
     def _pack_fake(fields: torch.Tensor, bits: int) -> torch.Tensor:
@@ -170,8 +170,8 @@ def _register_fakes() -> None:
         x: torch.Tensor, residual: torch.Tensor | None, block_size: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n = x.numel()
-        nb = _nblocks(n, block_size) if block_size else (1 if n else 0)
-        return x.new_empty(nb, dtype=compute(x.dtype)), x.new_empty((n + 7) // 8, dtype=torch.uint8)
+        nb = checks.n_blocks(n, checks.effective_block(n, block_size))
+        return x.new_empty(nb, dtype=accumulate_dtype(x.dtype)), x.new_empty(packed_nbytes(n, 1), dtype=torch.uint8)
 
     @torch.library.register_fake("commpress::sign_decode")
     def _sign_decode_fake(
@@ -193,10 +193,8 @@ def _register_fakes() -> None:
         seed: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n = x.numel()
-        nbytes = (n * bits + 7) // 8
-        return x.new_empty(_nblocks(n, bucket_size), dtype=compute(x.dtype)), x.new_empty(
-            nbytes, dtype=torch.uint8
-        )
+        norms = x.new_empty(checks.n_blocks(n, bucket_size), dtype=accumulate_dtype(x.dtype))
+        return norms, x.new_empty(packed_nbytes(n, bits), dtype=torch.uint8)
 
     @torch.library.register_fake("commpress::qsgd_decode")
     def _qsgd_decode_fake(
@@ -212,8 +210,7 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("commpress::topk_select")
     def _topk_fake(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        idx_dtype = torch.int32 if x.numel() <= (1 << 31) - 1 else torch.int64
-        return x.new_empty(k, dtype=idx_dtype), x.new_empty(k)
+        return x.new_empty(k, dtype=index_dtype(x.numel())), x.new_empty(k)
 
     @torch.library.register_fake("commpress::sparse_scatter_add")
     def _scatter_fake(
@@ -230,33 +227,88 @@ def _register_fakes() -> None:
         return None
 
 
-def _native(op: str, fn: Callable[..., _R], *args: Any) -> _R:
-    """Call a native op; its TORCH_CHECK failures become CodecError / NonFiniteError."""
+def _native(op: str, args: tuple[Any, ...]) -> Any:
+    """Call a native op; its failures become NonFiniteError (ValueError) or KernelArgumentError."""
     try:
-        return fn(*args)
+        return getattr(torch.ops.commpress, op).default(*args)
+    except ValueError as exc:  # the native kind of NaN/Inf input (csrc/checks.h check_finite)
+        raise NonFiniteError(str(exc).splitlines()[0]) from exc
     except RuntimeError as exc:
         message = str(exc).splitlines()[0]
         if not message.startswith(f"{op}:"):
-            raise  # not an argument check (e.g. a CUDA error): leave it alone
-        if "non-finite input" in message:
-            raise NonFiniteError(message) from exc
-        raise CodecError(message) from exc
+            raise  # not one of the op's own checks (e.g. a CUDA error): leave it alone
+        raise KernelArgumentError(message) from exc
 
 
-def _run(op: str, device_type: str, args: tuple[Any, ...], reference: Callable[[], _R]) -> _R:
-    """Run ``op`` on the backend :func:`backend_for` picks; ``args`` follow the native schema."""
+def _unsigned(seed: int) -> int:
+    return seed & rng.SEED_MASK  # the schema's int64 bit pattern back to the uint64 seed
+
+
+def _reference(op: str, args: tuple[Any, ...]) -> Any:
+    """Run ``op`` on the pure-torch specification, ``args`` in the native schema's order."""
+    from ..codecs import qsgd, randomk, sign, topk
+
+    if op == "pack_bits":
+        return pack_bits_reference(*args)
+    if op == "unpack_bits":
+        return unpack_bits_reference(*args)
+    if op == "sign_encode":  # a block longer than x is one block (effective_block)
+        x, residual, block = args
+        return sign.encode_reference(x, checks.effective_block(x.numel(), block), residual)
+    if op == "sign_decode":
+        scales, bits, block, out, accumulate = args
+        block = checks.effective_block(out.numel(), block)
+        return sign.decode_reference(scales, bits, block, out, accumulate)
+    if op == "qsgd_encode":
+        x, residual, bits, levels, bucket, seed = args
+        bucket = checks.effective_block(x.numel(), bucket)
+        return qsgd.encode_reference(x, bits, levels, bucket, _unsigned(seed), residual)
+    if op == "qsgd_decode":
+        norms, packed, bits, levels, bucket, out, accumulate = args
+        bucket = checks.effective_block(out.numel(), bucket)
+        return qsgd.decode_reference(norms, packed, bits, levels, bucket, out, accumulate)
+    if op == "topk_select":
+        return topk.select_reference(*args)
+    if op == "sparse_scatter_add":
+        return topk.scatter_add_reference(*args)
+    if op == "randomk_gather":
+        x, k, seed, scaled = args
+        return randomk.gather_reference(x, k, _unsigned(seed), scaled)
+    if op == "randomk_scatter_add":
+        values, seed, out = args
+        return randomk.scatter_add_reference(values, _unsigned(seed), out)
+    raise CodecError(f"unknown kernel op {op!r}; expected one of {', '.join(_OPS)}")
+
+
+def call(op: str, *args: Any) -> Any:
+    """Run kernel op ``op`` with the native schema's arguments: check them, then run the backend.
+
+    The one path every op takes (the typed wrappers below build ``args`` and call this):
+    :data:`commpress.kernels.checks.CHECKS` validates the arguments once, then the backend
+    :func:`backend_for` picks runs them.
+    """
+    if op not in checks.CHECKS:
+        raise CodecError(f"unknown kernel op {op!r}; expected one of {', '.join(_OPS)}")
+    device_type = checks.CHECKS[op](*args)
     backend = backend_for(op, device_type)
     if backend == "native":
-        return _native(op, getattr(torch.ops.commpress, op).default, *args)
+        return _native(op, args)
     if backend == "reference":
-        return reference()
-    try:
-        result: _R = getattr(backends.module(backend), op)(*args)
-    except KernelArgumentError as exc:
-        if "non-finite input" in str(exc):
-            raise NonFiniteError(str(exc)) from exc
-        raise
-    return result
+        return _reference(op, args)
+    return getattr(backends.module(backend), op)(*args)
+
+
+class _Checked:
+    """``checked.<op>(*args)`` is ``call("<op>", *args)``: the ops with the native schemas."""
+
+    def __getattr__(self, op: str) -> Any:
+        if op not in checks.CHECKS:
+            raise AttributeError(op)
+        return functools.partial(call, op)
+
+
+#: Every op with the native schema's arguments, validated, on the backend of its device.
+checked = _Checked()
 
 
 def _signed_seed(seed: int) -> int:
@@ -266,62 +318,22 @@ def _signed_seed(seed: int) -> int:
     return seed - (1 << 64) if seed >= 1 << 63 else seed
 
 
-def _check_vector(
-    name: str, t: torch.Tensor, dtypes: Sequence[torch.dtype] = _FLOAT_DTYPES
-) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise CodecError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != 1 or t.dtype not in dtypes:
-        raise CodecError(
-            f"{name} must be a 1-D tensor of {'/'.join(str(d) for d in dtypes)}, got {t.dtype} {tuple(t.shape)}"
-        )
-    if not t.is_contiguous():
-        raise CodecError(f"{name} must be contiguous")
-
-
-def _check_residual(residual: torch.Tensor | None, x: torch.Tensor) -> None:
-    if residual is None:
-        return
-    ct = torch.float64 if x.dtype == torch.float64 else torch.float32
-    _check_vector("residual", residual, (ct,))
-    if residual.numel() != x.numel() or residual.device != x.device:
-        raise CodecError(
-            f"residual has {residual.numel()} elements on {residual.device}, x has {x.numel()} on {x.device}"
-        )
+def _contiguous(t: Any) -> Any:
+    # the wrappers accept any layout; the kernels take contiguous tensors
+    return t.contiguous() if isinstance(t, torch.Tensor) else t
 
 
 # ----- bit packing ------------------------------------------------------------------------------
 def pack_bits(fields: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack a 1-D uint8 tensor of ``bits``-wide fields LSB-first (see :mod:`commpress.bitpack`)."""
-    check_bits(bits)
-    if fields.dtype != torch.uint8 or fields.dim() != 1:
-        raise CodecError(
-            f"fields must be a 1-D uint8 tensor, got {fields.dtype} {tuple(fields.shape)}"
-        )
-    fields = fields.contiguous()
-    return _run(
-        "pack_bits", fields.device.type, (fields, bits), lambda: pack_bits_reference(fields, bits)
-    )
+    result: torch.Tensor = call("pack_bits", _contiguous(fields), bits)
+    return result
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Unpack ``n`` fields of ``bits`` bits from bytes made by :func:`pack_bits`."""
-    check_bits(bits)
-    if packed.dtype != torch.uint8 or packed.dim() != 1:
-        raise CodecError(
-            f"packed must be a 1-D uint8 tensor, got {packed.dtype} {tuple(packed.shape)}"
-        )
-    if packed.numel() != packed_nbytes(n, bits):
-        raise CodecError(
-            f"packed holds {packed.numel()} bytes, {n} fields of {bits} bits need {packed_nbytes(n, bits)}"
-        )
-    packed = packed.contiguous()
-    return _run(
-        "unpack_bits",
-        packed.device.type,
-        (packed, bits, n),
-        lambda: unpack_bits_reference(packed, bits, n),
-    )
+    result: torch.Tensor = call("unpack_bits", _contiguous(packed), bits, n)
+    return result
 
 
 # ----- sign ---------------------------------------------------------------------------------------
@@ -332,16 +344,8 @@ def sign_encode(
 
     With ``residual``: fused error feedback, ``residual`` is updated in place.
     """
-    _check_vector("x", x)
-    _check_residual(residual, x)
-    from ..codecs.sign import encode_reference
-
-    return _run(
-        "sign_encode",
-        x.device.type,
-        (x, residual, block_size),
-        lambda: encode_reference(x, block_size, residual),
-    )
+    scales, bits = call("sign_encode", x, residual, block_size)
+    return scales, bits
 
 
 def sign_decode(
@@ -352,15 +356,7 @@ def sign_decode(
     accumulate: bool = True,
 ) -> None:
     """``out = decode(scales, bits)``, or ``+=`` with ``accumulate``, for sign (1-D contiguous ``out``)."""
-    _check_vector("out", out)
-    from ..codecs.sign import decode_reference
-
-    _run(
-        "sign_decode",
-        out.device.type,
-        (scales, bits, block_size, out, accumulate),
-        lambda: decode_reference(scales, bits, block_size, out, accumulate),
-    )
+    call("sign_decode", scales, bits, block_size, out, accumulate)
 
 
 # ----- qsgd ---------------------------------------------------------------------------------------
@@ -376,17 +372,8 @@ def qsgd_encode(
 
     With ``residual``: fused error feedback, ``residual`` is updated in place.
     """
-    _check_vector("x", x)
-    _check_residual(residual, x)
-    signed = _signed_seed(seed)
-    from ..codecs.qsgd import encode_reference
-
-    return _run(
-        "qsgd_encode",
-        x.device.type,
-        (x, residual, bits, levels, bucket_size, signed),
-        lambda: encode_reference(x, bits, levels, bucket_size, seed, residual),
-    )
+    norms, packed = call("qsgd_encode", x, residual, bits, levels, bucket_size, _signed_seed(seed))
+    return norms, packed
 
 
 def qsgd_decode(
@@ -399,67 +386,30 @@ def qsgd_decode(
     accumulate: bool = True,
 ) -> None:
     """``out = decode(norms, packed)``, or ``+=`` with ``accumulate``, for QSGD (1-D contiguous ``out``)."""
-    _check_vector("out", out)
-    from ..codecs.qsgd import decode_reference
-
-    _run(
-        "qsgd_decode",
-        out.device.type,
-        (norms, packed, bits, levels, bucket_size, out, accumulate),
-        lambda: decode_reference(norms, packed, bits, levels, bucket_size, out, accumulate),
-    )
+    call("qsgd_decode", norms, packed, bits, levels, bucket_size, out, accumulate)
 
 
 # ----- top-k --------------------------------------------------------------------------------------
 def topk_select(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(indices, values)`` of the k largest ``|x|``, exact, indices ascending; see the reference."""
-    _check_vector("x", x)
-    from ..codecs.topk import select_reference
-
-    return _run("topk_select", x.device.type, (x, k), lambda: select_reference(x, k))
+    indices, values = call("topk_select", x, k)
+    return indices, values
 
 
 def sparse_scatter_add(
     indices: Sequence[torch.Tensor], values: Sequence[torch.Tensor], out: torch.Tensor
 ) -> None:
     """``out[indices[p]] += values[p]`` for every payload p, in order (bounds/duplicate-checked)."""
-    _check_vector("out", out)
-    indices, values = list(indices), list(values)
-    from ..codecs.topk import scatter_add_reference
-
-    _run(
-        "sparse_scatter_add",
-        out.device.type,
-        (indices, values, out),
-        lambda: scatter_add_reference(indices, values, out),
-    )
+    call("sparse_scatter_add", list(indices), list(values), out)
 
 
 # ----- random-k -----------------------------------------------------------------------------------
 def randomk_gather(x: torch.Tensor, k: int, seed: int, scaled: bool) -> torch.Tensor:
     """The k values random-k sends for 1-D ``x``; see :func:`commpress.codecs.randomk.gather_reference`."""
-    _check_vector("x", x)
-    signed = _signed_seed(seed)
-    from ..codecs.randomk import gather_reference
-
-    return _run(
-        "randomk_gather",
-        x.device.type,
-        (x, k, signed, scaled),
-        lambda: gather_reference(x, k, seed, scaled),
-    )
+    values: torch.Tensor = call("randomk_gather", x, k, _signed_seed(seed), scaled)
+    return values
 
 
 def randomk_scatter_add(values: torch.Tensor, seed: int, out: torch.Tensor) -> None:
     """``out[idx] += values`` at the seed's random-k indices (1-D contiguous ``out``)."""
-    _check_vector("out", out)
-    signed = _signed_seed(seed)
-    from ..codecs.randomk import scatter_add_reference
-
-    values = values.contiguous()
-    _run(
-        "randomk_scatter_add",
-        out.device.type,
-        (values, signed, out),
-        lambda: scatter_add_reference(values, seed, out),
-    )
+    call("randomk_scatter_add", _contiguous(values), _signed_seed(seed), out)

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "../checks.h"
 #include "commpress/bitpack.h"
 
 namespace commpress {
@@ -15,20 +16,6 @@ namespace {
 
 // Packed bytes per parallel_for task; same value as at::internal::GRAIN_SIZE.
 constexpr int64_t kGrainBytes = 32768;
-
-void check_bits(const char* op, int64_t bits) {
-  TORCH_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8,
-              op, ": bits must be one of 1, 2, 4, 8, got ", bits);
-}
-
-void check_byte_vector(const char* op, const char* name, const at::Tensor& t) {
-  TORCH_CHECK(t.device().is_cpu(), op, ": ", name, " must be a CPU tensor, got device ",
-              t.device());
-  TORCH_CHECK(t.scalar_type() == at::kByte, op, ": ", name, " must have dtype uint8, got ",
-              t.scalar_type());
-  TORCH_CHECK(t.dim() == 1, op, ": ", name, " must be 1-D, got shape ", t.sizes());
-  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
-}
 
 // Raises naming the first field that does not fit in `bits` bits. Only called once a pack
 // run has seen such a field, so this second, serial pass costs nothing on valid input.
@@ -124,7 +111,7 @@ void unpack_cpu(const uint8_t* packed, int64_t n, uint8_t* fields) {
 
 at::Tensor pack_bits_cpu(const at::Tensor& fields, int64_t bits) {
   check_bits("pack_bits", bits);
-  check_byte_vector("pack_bits", "fields", fields);
+  check_byte_vector("pack_bits", "fields", fields, c10::DeviceType::CPU);
   const int64_t n = fields.numel();
   at::Tensor packed = at::empty({packed_nbytes(n, bits)}, fields.options());
   const uint8_t* in = fields.const_data_ptr<uint8_t>();
@@ -140,7 +127,7 @@ at::Tensor pack_bits_cpu(const at::Tensor& fields, int64_t bits) {
 
 at::Tensor unpack_bits_cpu(const at::Tensor& packed, int64_t bits, int64_t n) {
   check_bits("unpack_bits", bits);
-  check_byte_vector("unpack_bits", "packed", packed);
+  check_byte_vector("unpack_bits", "packed", packed, c10::DeviceType::CPU);
   TORCH_CHECK(n >= 0, "unpack_bits: n must be >= 0, got ", n);
   const int64_t expected = packed_nbytes(n, bits);
   TORCH_CHECK(packed.numel() == expected, "unpack_bits: packed holds ", packed.numel(),

@@ -27,6 +27,9 @@ enum SumKind : int {
 };
 
 // Blocks of `block` elements (the last one shorter) cut into groups of `group` elements.
+// A block of 0 (whole tensor) or longer than the tensor is stored as one block of n (>= 1)
+// elements: the same block, and no later arithmetic (block + group, (b + 1) * block) comes
+// near INT64_MAX.
 struct BlockLayout {
   int64_t n = 0;
   int64_t block = 1;
@@ -37,7 +40,11 @@ struct BlockLayout {
 
   BlockLayout() = default;
   BlockLayout(int64_t n_, int64_t block_) : n(n_), block(block_) {
-    nblocks = n == 0 ? 0 : (n + block - 1) / block;
+    const int64_t whole = n > 0 ? n : 1;
+    if (block <= 0 || block > whole) {
+      block = whole;
+    }
+    nblocks = n == 0 ? 0 : n / block + (n % block != 0 ? 1 : 0);
     groups_per_block = (block + group - 1) / group;
     if (nblocks > 0) {
       const int64_t last = n - (nblocks - 1) * block;

@@ -64,15 +64,6 @@ double first_above(const S* norms, int64_t count, double limit) {
   return limit;
 }
 
-double dtype_max(DType dtype) {
-  switch (dtype) {
-    case kF16: return 65504.0;
-    case kBF16: return 3.3895313892515355e38;
-    case kF32: return 3.4028234663852886e38;
-    default: return 1.7976931348623157e308;
-  }
-}
-
 std::tuple<at::Tensor, at::Tensor> qsgd_encode_cpu(const at::Tensor& x,
                                                    const std::optional<at::Tensor>& residual,
                                                    int64_t bits, int64_t levels,
@@ -108,8 +99,7 @@ std::tuple<at::Tensor, at::Tensor> qsgd_encode_cpu(const at::Tensor& x,
   } else {
     sums = cpu::block_reduce(cpu::kSumSquare, dtype, xp, ep, nullptr, layout, &bad);
   }
-  TORCH_CHECK(!bad.load(), op, ": ", e != nullptr ? "x + residual" : "x",
-              " contains NaN or Inf (non-finite input; nothing was written)");
+  check_finite(!bad.load(), op, e != nullptr ? "x + residual" : "x");
   const std::vector<double>* scale = dtype == kF64 ? &amax : nullptr;
   const double limit = dtype_max(dtype);
   const int status =
@@ -127,7 +117,7 @@ std::tuple<at::Tensor, at::Tensor> qsgd_encode_cpu(const at::Tensor& x,
                            norms.const_data_ptr(),
                            packed.mutable_data_ptr<uint8_t>(),
                            n,
-                           bucket_size,
+                           layout.block,
                            static_cast<int>(levels),
                            rng_key(seed_bits(seed), kStreamQSGD)};
   const cpu::QsgdEncodeFn fn =
@@ -158,7 +148,7 @@ void qsgd_decode_cpu(const at::Tensor& norms, const at::Tensor& packed, int64_t 
   }
   const cpu::QsgdDecodeArgs args{norms.const_data_ptr(), packed.const_data_ptr<uint8_t>(),
                                  out.data_ptr(),         n,
-                                 bucket_size,            static_cast<int>(levels),
+                                 effective_block(n, bucket_size), static_cast<int>(levels),
                                  accumulate};
   const cpu::QsgdDecodeFn fn = cpu::kernels().qsgd_decode[dtype][cpu::qsgd_bits_index(bits)];
   cpu::parallel_elements(n, cpu::kTaskElems, [&](int64_t i0, int64_t i1) { fn(args, i0, i1); });

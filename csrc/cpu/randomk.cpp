@@ -25,14 +25,6 @@
 namespace commpress {
 namespace {
 
-void check_strata(const char* op, int64_t n, int64_t k) {
-  TORCH_CHECK(k >= 0 && k <= n, op, ": k must be in [0, numel=", n, "], got ", k);
-  TORCH_CHECK(n == 0 || k >= 1, op, ": k must be >= 1 for a non-empty tensor");
-  TORCH_CHECK(k == 0 || (n + k - 1) / k < (int64_t{1} << 32), op, ": k=", k,
-              " is too small for numel=", n, " (strata longer than 2**32)");
-  TORCH_CHECK(k < (int64_t{1} << 32), op, ": k=", k, " must be < 2**32");
-}
-
 at::Tensor randomk_gather_cpu(const at::Tensor& x, int64_t k, int64_t seed, bool scaled) {
   static constexpr const char* op = "randomk_gather";
   check_vector(op, "x", x, c10::DeviceType::CPU);
@@ -50,7 +42,7 @@ at::Tensor randomk_gather_cpu(const at::Tensor& x, int64_t k, int64_t seed, bool
     scan(x.const_data_ptr(), i0, i1, std::numeric_limits<double>::infinity(), nullptr, nullptr, 0,
          &bad);
   });
-  TORCH_CHECK(!bad.load(), op, ": x contains NaN or Inf (non-finite input)");
+  check_finite(!bad.load(), op, "x");
   const uint64_t key = rng_key(seed_bits(seed), kStreamRandomK);
   std::atomic<bool> overflow{false};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), op, [&] {

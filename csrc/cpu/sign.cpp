@@ -49,14 +49,14 @@ std::tuple<at::Tensor, at::Tensor> sign_encode_cpu(const at::Tensor& x,
   static constexpr const char* op = "sign_encode";
   check_vector(op, "x", x, c10::DeviceType::CPU);
   const DType dtype = float_code(op, "x", x);
-  TORCH_CHECK(block_size >= 0, op, ": block_size must be >= 0, got ", block_size);
+  check_block(op, "block_size", block_size, 0);
   const at::Tensor* e = residual.has_value() ? &*residual : nullptr;
   if (e != nullptr) {
     check_residual(op, *e, x);
   }
   const int64_t n = x.numel();
   const at::ScalarType ct = compute_type(x.scalar_type());
-  const cpu::BlockLayout layout(n, block_size == 0 ? std::max<int64_t>(n, 1) : block_size);
+  const cpu::BlockLayout layout(n, block_size);
   at::Tensor scales = at::empty({layout.nblocks}, x.options().dtype(ct));
   at::Tensor bits = at::empty({packed_nbytes(n, 1)}, x.options().dtype(at::kByte));
   if (n == 0) {
@@ -68,8 +68,7 @@ std::tuple<at::Tensor, at::Tensor> sign_encode_cpu(const at::Tensor& x,
   std::atomic<bool> bad{false};
   const std::vector<double> sums =
       cpu::block_reduce(cpu::kSumAbs, dtype, xp, ep, nullptr, layout, &bad);
-  TORCH_CHECK(!bad.load(), op, ": ", e != nullptr ? "x + residual" : "x",
-              " contains NaN or Inf (non-finite input; nothing was written)");
+  check_finite(!bad.load(), op, e != nullptr ? "x + residual" : "x");
   const bool finite = ct == at::kDouble
                           ? write_scales(sums, layout, scales.mutable_data_ptr<double>())
                           : write_scales(sums, layout, scales.mutable_data_ptr<float>());
@@ -92,9 +91,9 @@ void sign_decode_cpu(const at::Tensor& scales, const at::Tensor& bits, int64_t b
   check_dtype(op, "scales", scales, compute_type(out.scalar_type()));
   check_vector(op, "bits", bits, c10::DeviceType::CPU);
   check_dtype(op, "bits", bits, at::kByte);
-  TORCH_CHECK(block_size >= 0, op, ": block_size must be >= 0, got ", block_size);
+  check_block(op, "block_size", block_size, 0);
   const int64_t n = out.numel();
-  const int64_t block = block_size == 0 ? std::max<int64_t>(n, 1) : block_size;
+  const int64_t block = effective_block(n, block_size);
   TORCH_CHECK(scales.numel() == n_blocks(n, block), op, ": scales has ", scales.numel(),
               " elements, ", n, " outputs in blocks of ", block, " need ", n_blocks(n, block));
   TORCH_CHECK(bits.numel() == packed_nbytes(n, 1), op, ": bits has ", bits.numel(),

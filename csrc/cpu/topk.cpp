@@ -227,7 +227,7 @@ std::tuple<at::Tensor, at::Tensor> topk_select_cpu(const at::Tensor& x, int64_t 
   const double fraction = threshold > 0.0 ? 1.25 * static_cast<double>(k) / static_cast<double>(n)
                                           : 1.0;
   Candidates cand = compact(dtype, xp, n, threshold, fraction, &bad);
-  TORCH_CHECK(!bad.load(), op, ": x contains NaN or Inf (non-finite input)");
+  check_finite(!bad.load(), op, "x");
   if (static_cast<int64_t>(cand.index.size()) < k) {  // the sample overestimated: take all
     cand = compact(dtype, xp, n, 0.0, 1.0, &bad);
   }

@@ -23,6 +23,7 @@
 
 #include "../checks.h"
 #include "commpress/bitpack.h"
+#include "launch_params.h"
 #include "launchers.h"
 
 namespace commpress {
@@ -32,36 +33,14 @@ constexpr auto kCUDA = c10::DeviceType::CUDA;
 
 cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream(); }
 
-void check_bits(const char* op, int64_t bits) {
-  TORCH_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8,
-              op, ": bits must be one of 1, 2, 4, 8, got ", bits);
-}
-
-void check_byte_vector(const char* op, const char* name, const at::Tensor& t) {
-  TORCH_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got device ", t.device());
-  TORCH_CHECK(t.scalar_type() == at::kByte, op, ": ", name, " must have dtype uint8, got ",
-              t.scalar_type());
-  TORCH_CHECK(t.dim() == 1, op, ": ", name, " must be 1-D, got shape ", t.sizes());
-  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
-}
-
 // The flags word of a launch, copied back (synchronises the stream).
 int read_flags(const at::Tensor& flags) { return flags.item<int>(); }
-
-double dtype_max(DType dtype) {
-  switch (dtype) {
-    case kF16: return 65504.0;
-    case kBF16: return 3.3895313892515355e38;
-    case kF32: return 3.4028234663852886e38;
-    default: return 1.7976931348623157e308;
-  }
-}
 
 // ----- bit packing ---------------------------------------------------------------------------
 
 at::Tensor pack_bits_cuda(const at::Tensor& fields, int64_t bits) {
   check_bits("pack_bits", bits);
-  check_byte_vector("pack_bits", "fields", fields);
+  check_byte_vector("pack_bits", "fields", fields, kCUDA);
   const c10::cuda::CUDAGuard guard(fields.device());
   const int64_t n = fields.numel();
   at::Tensor packed = at::empty({packed_nbytes(n, bits)}, fields.options());
@@ -87,7 +66,7 @@ at::Tensor pack_bits_cuda(const at::Tensor& fields, int64_t bits) {
 
 at::Tensor unpack_bits_cuda(const at::Tensor& packed, int64_t bits, int64_t n) {
   check_bits("unpack_bits", bits);
-  check_byte_vector("unpack_bits", "packed", packed);
+  check_byte_vector("unpack_bits", "packed", packed, kCUDA);
   TORCH_CHECK(n >= 0, "unpack_bits: n must be >= 0, got ", n);
   const int64_t expected = packed_nbytes(n, bits);
   TORCH_CHECK(packed.numel() == expected, "unpack_bits: packed holds ", packed.numel(),
@@ -108,14 +87,14 @@ std::tuple<at::Tensor, at::Tensor> sign_encode_cuda(const at::Tensor& x,
   static constexpr const char* op = "sign_encode";
   check_vector(op, "x", x, kCUDA);
   const DType dtype = float_code(op, "x", x);
-  TORCH_CHECK(block_size >= 0, op, ": block_size must be >= 0, got ", block_size);
+  check_block(op, "block_size", block_size, 0);
   const at::Tensor* e = residual.has_value() ? &*residual : nullptr;
   if (e != nullptr) {
     check_residual(op, *e, x);
   }
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t n = x.numel();
-  const int64_t block = block_size == 0 ? (n > 0 ? n : 1) : block_size;
+  const int64_t block = effective_block(n, block_size);
   const at::ScalarType ct = compute_type(x.scalar_type());
   at::Tensor scales = at::empty({n_blocks(n, block)}, x.options().dtype(ct));
   at::Tensor bits = at::empty({packed_nbytes(n, 1)}, x.options().dtype(at::kByte));
@@ -130,9 +109,8 @@ std::tuple<at::Tensor, at::Tensor> sign_encode_cuda(const at::Tensor& x,
       scales.data_ptr(), bits.mutable_data_ptr<uint8_t>(), scratch.mutable_data_ptr<double>(),
       flags.mutable_data_ptr<int>(), stream()));
   const int f = read_flags(flags);
-  TORCH_CHECK(!(f & 1), op, ": ", e != nullptr ? "x + residual" : "x",
-              " contains NaN or Inf (non-finite input; nothing was written)");
-  TORCH_CHECK(!(f & 2), op, ": a block's mean magnitude overflows ", ct,
+  check_finite(!(f & cuda::kFlagNonFinite), op, e != nullptr ? "x + residual" : "x");
+  TORCH_CHECK(!(f & cuda::kFlagOverflow), op, ": a block's mean magnitude overflows ", ct,
               " (NaN or Inf scale; nothing was written)");
   return {scales, bits};
 }
@@ -148,9 +126,9 @@ void sign_decode_cuda(const at::Tensor& scales, const at::Tensor& bits, int64_t 
   check_vector(op, "bits", bits, kCUDA);
   check_same_device(op, "bits", bits, out, "out");
   check_dtype(op, "bits", bits, at::kByte);
-  TORCH_CHECK(block_size >= 0, op, ": block_size must be >= 0, got ", block_size);
+  check_block(op, "block_size", block_size, 0);
   const int64_t n = out.numel();
-  const int64_t block = block_size == 0 ? (n > 0 ? n : 1) : block_size;
+  const int64_t block = effective_block(n, block_size);
   TORCH_CHECK(scales.numel() == n_blocks(n, block), op, ": scales has ", scales.numel(),
               " elements, ", n, " outputs in blocks of ", block, " need ", n_blocks(n, block));
   TORCH_CHECK(bits.numel() == packed_nbytes(n, 1), op, ": bits has ", bits.numel(),
@@ -192,11 +170,10 @@ std::tuple<at::Tensor, at::Tensor> qsgd_encode_cuda(const at::Tensor& x,
       dtype_max(dtype), norms.data_ptr(), packed.mutable_data_ptr<uint8_t>(),
       scratch.mutable_data_ptr<double>(), flags.mutable_data_ptr<int>(), stream()));
   const int f = read_flags(flags);
-  TORCH_CHECK(!(f & 1), op, ": ", e != nullptr ? "x + residual" : "x",
-              " contains NaN or Inf (non-finite input; nothing was written)");
-  TORCH_CHECK(!(f & 2), op, ": a bucket norm overflows ", ct,
+  check_finite(!(f & cuda::kFlagNonFinite), op, e != nullptr ? "x + residual" : "x");
+  TORCH_CHECK(!(f & cuda::kFlagOverflow), op, ": a bucket norm overflows ", ct,
               " (NaN or Inf norm; nothing was written)");
-  if (f & 4) {
+  if (f & cuda::kFlagTooBig) {
     const double limit = dtype_max(dtype);
     const double big = norms.masked_select(norms.gt(limit))[0].item<double>();
     TORCH_CHECK(false, op, ": a bucket norm ", big, " exceeds ", x.scalar_type(),
@@ -252,7 +229,7 @@ std::tuple<at::Tensor, at::Tensor> topk_select_cuda(const at::Tensor& x, int64_t
                                             index64 ? 1 : 0, values.data_ptr(),
                                             scratch.data_ptr(), flags.mutable_data_ptr<int>(),
                                             stream()));
-  TORCH_CHECK(!(read_flags(flags) & 1), op, ": x contains NaN or Inf (non-finite input)");
+  check_finite(!(read_flags(flags) & cuda::kFlagNonFinite), op, "x");
   return {indices, values};
 }
 
@@ -309,14 +286,6 @@ void sparse_scatter_add_cuda(at::TensorList indices, at::TensorList values,
 
 // ----- random-k ------------------------------------------------------------------------------
 
-void check_strata(const char* op, int64_t n, int64_t k) {
-  TORCH_CHECK(k >= 0 && k <= n, op, ": k must be in [0, numel=", n, "], got ", k);
-  TORCH_CHECK(n == 0 || k >= 1, op, ": k must be >= 1 for a non-empty tensor");
-  TORCH_CHECK(k == 0 || (n + k - 1) / k < (int64_t{1} << 32), op, ": k=", k,
-              " is too small for numel=", n, " (strata longer than 2**32)");
-  TORCH_CHECK(k < (int64_t{1} << 32), op, ": k=", k, " must be < 2**32");
-}
-
 at::Tensor randomk_gather_cuda(const at::Tensor& x, int64_t k, int64_t seed, bool scaled) {
   static constexpr const char* op = "randomk_gather";
   check_vector(op, "x", x, kCUDA);
@@ -333,8 +302,8 @@ at::Tensor randomk_gather_cuda(const at::Tensor& x, int64_t k, int64_t seed, boo
                                                scaled ? 1 : 0, values.data_ptr(),
                                                flags.mutable_data_ptr<int>(), stream()));
   const int f = read_flags(flags);
-  TORCH_CHECK(!(f & 1), op, ": x contains NaN or Inf (non-finite input)");
-  TORCH_CHECK(!(f & 2), op, ": x scaled by its block length overflows ", x.scalar_type(),
+  check_finite(!(f & cuda::kFlagNonFinite), op, "x");
+  TORCH_CHECK(!(f & cuda::kFlagOverflow), op, ": x scaled by its block length overflows ", x.scalar_type(),
               "; use scaled=False");
   return values;
 }

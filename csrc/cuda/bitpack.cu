@@ -12,14 +12,13 @@
 #include <cstdint>
 
 #include "commpress/bitpack.h"
+#include "launch_params.h"
 
 namespace commpress {
 namespace {
 
-constexpr int kThreads = 256;
-// Enough blocks to fill any current GPU several times over; larger inputs are covered by the
-// grid-stride loops, and the grid size stays far below CUDA's limit for any int64 length.
-constexpr int64_t kMaxBlocks = int64_t{1} << 16;
+using cuda::kMaxBlocks;  // grid geometry: launch_params.h
+using cuda::kThreads;
 
 #ifndef __CUDACC_RTC__  // host code: not for NVRTC (the CuPy backend launches the kernels)
 int blocks_for(int64_t work_items) {

@@ -19,12 +19,8 @@
 namespace commpress {
 namespace cuda {
 
-enum SumKind : int { kSumAbs = 0, kSumSquare = 1, kSumScaledSquare = 2, kMaxAbs = 3 };
-
-constexpr int64_t kGroupElems = kWarp * kSumChunk;  // 1024
-
-// Flags word written by the reduction/finalize kernels and read by every pass-2 kernel.
-enum Flag : int { kFlagNonFinite = 1, kFlagOverflow = 2, kFlagTooBig = 4 };
+// SumKind, Flag, kGroupElems and kReductions: launch_params.h (shared with the CuPy backend).
+static_assert(kGroupElems == kWarp * kSumChunk, "a group is one warp's kWarp chunks");
 
 struct Layout {
   int64_t n;
@@ -34,11 +30,15 @@ struct Layout {
 };
 
 #ifndef __CUDACC_RTC__  // host code: not for NVRTC (the CuPy backend launches the kernels)
+// A block of 0 (whole tensor) or longer than the tensor is one block of n (>= 1) elements:
+// the same block, and no later arithmetic comes near INT64_MAX.
 inline Layout make_layout(int64_t n, int64_t block) {
+  const int64_t whole = n > 0 ? n : 1;
   Layout l;
   l.n = n;
-  l.block = block;
-  l.nblocks = n == 0 ? 0 : (n + block - 1) / block;
+  l.block = block <= 0 || block > whole ? whole : block;
+  block = l.block;
+  l.nblocks = n == 0 ? 0 : n / block + (n % block != 0 ? 1 : 0);
   l.groups_per_block = (block + kGroupElems - 1) / kGroupElems;
   return l;
 }

@@ -7,15 +7,12 @@
 
 #include "commpress/hd.h"
 #include "commpress/tree.h"
+#include "launch_params.h"
 
 namespace commpress {
 namespace cuda {
 
-constexpr int kThreads = 256;
-constexpr int kWarp = 32;
 constexpr unsigned kFullMask = 0xFFFFFFFFu;
-// Enough blocks to fill any current GPU several times over; grid-stride loops cover the rest.
-constexpr int64_t kMaxBlocks = int64_t{1} << 16;
 
 #ifndef __CUDACC_RTC__  // host code: not for NVRTC (the CuPy backend launches the kernels)
 inline int blocks_for(int64_t items, int threads = kThreads) {
@@ -143,7 +140,7 @@ __global__ void check_finite_kernel(const T* __restrict__ x, int64_t n, int* __r
     bad |= !(fabs(v) <= 1.7976931348623157e308);
   }
   if (__any_sync(kFullMask, bad) && lane_id() == 0) {
-    atomicOr(flags, 1);
+    atomicOr(flags, kFlagNonFinite);
   }
 }
 

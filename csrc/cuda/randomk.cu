@@ -44,7 +44,7 @@ __global__ void gather_kernel(const T* __restrict__ x, int64_t n, int64_t k, uin
     values[j] = v;
   }
   if (__any_sync(kFullMask, overflow) && lane_id() == 0) {
-    atomicOr(flags, 2);
+    atomicOr(flags, kFlagOverflow);
   }
 }
 

@@ -123,8 +123,9 @@ cudaError_t sign_encode(const void* xv, void* ev, int64_t n, int64_t block, void
 extern "C" {
 
 int64_t commpress_reduce_scratch_cuda(int64_t n, int64_t block) {
-  // two reductions (QSGD float64: max, then scaled squares) each need their own levels
-  return 2 * commpress::cuda::reduce_scratch(commpress::cuda::make_layout(n, block)) + 2;
+  // kReductions reductions (QSGD float64: max, then scaled squares) each need their own levels
+  using namespace commpress::cuda;
+  return kReductions * reduce_scratch(make_layout(n, block)) + kReductions;
 }
 
 cudaError_t commpress_sign_encode_cuda(const void* x, int dtype, void* residual, int64_t n,

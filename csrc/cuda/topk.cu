@@ -29,16 +29,14 @@ namespace {
 
 using ull = unsigned long long;
 
-constexpr int kDigitBits = 11;
-constexpr int kBins = 1 << kDigitBits;
-constexpr int kCountBlocks = 1024;  // CTAs of the count / write passes (one scan block)
-
+// kDigitBits, kBins, kHistogramBlocks, kCountBlocks and the scratch layout: launch_params.h.
 struct SelectState {
   ull prefix;     // key bits found so far
   ull mask;       // which bits of the key the prefix fixes
   ull remaining;  // rank still to find among keys matching the prefix (1-based)
   ull pad;
 };
+static_assert(sizeof(SelectState) == 8 * kSelectStateWords, "launch_params.h scratch layout");
 
 // Key of |v|, monotone in |v|: float32 bits for the float32-computed dtypes, float64 bits else.
 template <class T>
@@ -81,7 +79,7 @@ __global__ void histogram_kernel(const T* __restrict__ x, int64_t n,
     }
   }
   if (check && __any_sync(kFullMask, bad) && lane_id() == 0) {
-    atomicOr(flags, 1);
+    atomicOr(flags, kFlagNonFinite);
   }
   __syncthreads();
   for (int b = threadIdx.x; b < (1 << width); b += blockDim.x) {
@@ -229,7 +227,7 @@ cudaError_t topk_select(const void* xv, int64_t n, int64_t k, void* indices, int
     if ((err = cudaMemsetAsync(hist, 0, sizeof(ull) * kBins, stream)) != cudaSuccess) {
       return err;
     }
-    histogram_kernel<T><<<blocks_for(n, kThreads) < 1024 ? blocks_for(n, kThreads) : 1024,
+    histogram_kernel<T><<<blocks_for(n) < kHistogramBlocks ? blocks_for(n) : kHistogramBlocks,
                           kThreads, 0, stream>>>(x, n, state, shift, width, hist, flags, first);
     if ((err = cudaGetLastError()) != cudaSuccess) {
       return err;
@@ -300,7 +298,7 @@ extern "C" {
 int64_t commpress_topk_scratch_cuda(int64_t n) {
   (void)n;
   using namespace commpress::cuda;
-  return static_cast<int64_t>(sizeof(SelectState) + sizeof(ull) * (kBins + 3 * kCountBlocks));
+  return static_cast<int64_t>(sizeof(ull)) * kTopkScratchWords;
 }
 
 cudaError_t commpress_topk_select_cuda(const void* x, int dtype, int64_t n, int64_t k,
