@@ -9,6 +9,18 @@ into docs/benchmarks.md (between the e2e markers) and saves PNG plots in docs/im
 
     sudo python scripts/bench_e2e.py            # full run (~15 min on 2 cores)
     python scripts/bench_e2e.py --quick         # a smaller matrix for a first look
+
+``--tta`` measures time to accuracy instead, on workloads where one run serves both speed and
+quality (``commpress.demo.runner``'s ``lm``: a 10.8M-parameter byte-level LM with the user's
+AdamW, communication-bound at 1 Gbit/s; ``digits``: the 64-256-256-10 MLP with the user's
+SGD(lr=0.1, momentum=0.9)). Each method trains from the same initialisation on the same
+batches; the tables give held-out loss (and accuracy) at equal steps, the median step time and
+the training time to dense's final loss x 1.02 (accuracy - 1 point), written between the tta
+markers of docs/benchmarks.md with a loss-vs-time plot (docs/img/tta_loss_vs_time.png):
+
+    sudo python scripts/bench_e2e.py --tta           # 2 and 4 ranks on 1 Gbit/s, every method
+    sudo python scripts/bench_e2e.py --tta --quick   # 2 ranks, 4 methods, fewer steps
+    sudo python scripts/bench_e2e.py --tta --tuned "cp-sign@warmup_steps=50"   # plus a tuned row
 """
 
 from __future__ import annotations
@@ -16,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -59,8 +72,8 @@ def with_warmup(method: str, steps: int) -> str:
 
 
 def launch(net: ShapedNetwork, world: int, workload: str, steps: int, eval_every: int, port: int,
-           timeout: float, methods: list[str]) -> dict[str, Any]:
-    """Run one rank per host; return rank 0's JSON."""
+           timeout: float, methods: list[str], extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Run one rank per host (``extra``: more runner options); return rank 0's JSON."""
     out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
     env = {**os.environ, "GLOO_SOCKET_IFNAME": net.ifname}
     procs = []
@@ -68,7 +81,7 @@ def launch(net: ShapedNetwork, world: int, workload: str, steps: int, eval_every
         argv = [sys.executable, "-m", "commpress.demo.runner", "--rank", str(r), "--world", str(world),
                 "--master", net.addr(0), "--port", str(port), "--workload", workload, "--steps", str(steps),
                 "--eval-every", str(eval_every), "--methods", ";".join(methods), "--out", out,
-                "--timeout", str(min(timeout, 300))]
+                "--timeout", str(min(timeout, 300)), *extra]
         procs.append(subprocess.Popen(net.command(r, argv), env=env))
     deadline = time.monotonic() + timeout
     try:
@@ -178,34 +191,204 @@ def plot(quality: dict[str, Any], runs: dict[tuple[str, int], dict[str, Any]], i
     return paths
 
 
-def write_doc(path: str, body: list[str]) -> None:
+def write_doc(path: str, body: list[str], start: str = START, end: str = END) -> None:
+    """Put ``body`` between the ``start`` and ``end`` markers of ``path`` (appended when absent)."""
     text = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
-    block = "\n".join([START, *body, END])
-    if START in text and END in text:
-        text = text[: text.index(START)] + block + text[text.index(END) + len(END):]
+    block = "\n".join([start, *body, end])
+    if start in text and end in text:
+        text = text[: text.index(start)] + block + text[text.index(end) + len(end):]
     else:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     with open(path, "w") as f:
         f.write(text)
 
 
+# ----- time to accuracy (--tta) -------------------------------------------------------------------
+# Every commpress codec at its defaults, registered as a user would; baselines as PyTorch ships them.
+TTA_METHODS = [
+    "allreduce",
+    "fp16",
+    "powersgd",
+    "cp-topk:ratio=0.01",
+    "cp-sign",
+    "cp-qsgd",
+    "cp-randomk:ratio=0.01",
+]
+TTA_QUICK_METHODS = ["allreduce", "fp16", "cp-topk:ratio=0.01", "cp-sign"]
+TTA_START, TTA_END = "<!-- tta:start -->", "<!-- tta:end -->"
+LOSS_TARGET = 1.02  # time to dense's final held-out loss x 1.02
+ACC_TARGET = 1.0  # time to dense's final held-out accuracy minus 1 point (digits)
+TTA_WORKLOADS = {
+    "lm": "byte-level LM, 10.8M parameters (2 blocks of width 160, MLP 16384 wide, 32-byte context; "
+          "`commpress.demo.workloads.wide_byte_lm`) on stdlib text, the user's `AdamW(lr={lr})`, "
+          "{batch} windows per rank and step; held-out loss over 128 fixed windows (4096 bytes)",
+    "digits": "digits MLP 64-256-256-10 (83k parameters), the user's `SGD(lr={lr}, momentum=0.9)`, "
+              "`bucket_cap_mb=1`, batch {batch} per rank (epochs over each rank's part); held-out: 360 images",
+}
+
+
+def tta_label(method: str, result: dict[str, Any] | None = None) -> str:
+    """Row label: the baselines by name; commpress with its spec, how it was registered, and "tuned" for options."""
+    if not method.startswith("cp-"):
+        return label(method)
+    spec, _, options = method[3:].partition("@")
+    text = f"commpress `{spec}`" + (" + `optimizer=opt`" if result and result.get("optimizer_passed") else "")
+    return text + (f" (tuned: `{options}`)" if options else " (defaults)")
+
+
+def time_to(curve: list[list[float]], values: list[float], reached: Any) -> float | None:
+    """Training seconds at the first evaluation whose value satisfies ``reached``, None if never."""
+    return next((pt[1] for pt, v in zip(curve, values) if reached(v)), None)
+
+
+def tta_table(data: dict[str, Any]) -> list[str]:
+    """One run's table: quality at equal steps, step time, time to dense's final quality."""
+    res = data["results"]
+    dense = next(r for r in res if r["method"] == "allreduce")
+    target = dense["final_loss"] * LOSS_TARGET
+    digits = data["workload"] == "digits"
+    acc_target = dense["final_accuracy"] - ACC_TARGET if digits else None
+    head = "| method | held-out loss | vs dense |" + (" accuracy % | vs dense (points) |" if digits else "")
+    head += " median step (s) | vs all-reduce | wire MB/step | time to loss target (s) | vs dense |"
+    head += " time to accuracy target (s) |" if digits else ""
+    lines = [f"Targets: held-out loss {target:.4f} (dense's final x {LOSS_TARGET})"
+             + (f", accuracy {acc_target:.2f}% (dense's final - {ACC_TARGET:g} point)" if digits else "")
+             + "; times are training wall-clock seconds (evaluation excluded) at the first evaluation "
+             "that reaches the target.", "", head, "|" + "---|" * (head.count("|") - 1)]
+    t_dense = time_to(dense["curve"], [c[2] for c in dense["curve"]], lambda v: v <= target)
+    for r in res:
+        loss = r["final_loss"]
+        t = time_to(r["curve"], [c[2] for c in r["curve"]], lambda v: v <= target)
+        row = f"| {tta_label(r['method'], r)} | {loss:.4f} | {100 * (loss / dense['final_loss'] - 1):+.2f}% |"
+        if digits:
+            row += f" {r['final_accuracy']:.2f} | {r['final_accuracy'] - dense['final_accuracy']:+.2f} |"
+        row += (f" {r['median_step_s']:.4f} | {dense['median_step_s'] / r['median_step_s']:.2f}x |"
+                f" {r['claimed_wire_bytes_per_step'] / 1e6:.3f} |")
+        row += " not reached | - |" if t is None else f" {t:.1f} | {t / t_dense:.2f}x |" if t_dense else f" {t:.1f} | - |"
+        if digits:
+            ta = time_to(r["curve"], r["accuracy"], lambda v: v >= acc_target)
+            row += " not reached |" if ta is None else f" {ta:.1f} |"
+        lines.append(row)
+    return lines
+
+
+def tta_plot(runs: dict[tuple[str, str, int], dict[str, Any]], path: str) -> None:
+    """Held-out loss against training wall-clock time, one panel per (workload, link, ranks)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(runs)
+    fig, axes = plt.subplots(1, len(keys), figsize=(6 * len(keys), 4.5), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        for r in runs[key]["results"]:
+            ax.plot([c[1] for c in r["curve"]], [c[2] for c in r["curve"]], label=tta_label(r["method"]).replace("`", ""))
+        workload, link, world = key
+        ax.set_title(f"{workload}: {world} ranks, {link}")
+        ax.set_xlabel("training wall-clock time (s)")
+        ax.set_ylabel("held-out loss (nats)")
+        if workload == "lm":
+            ax.set_ylim(top=min(ax.get_ylim()[1], 4.0))
+        ax.legend(fontsize=6)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+
+
+def equal_samples_steps(steps_at_2: int, world: int) -> int:
+    """Steps at ``world`` ranks that see as many samples as ``steps_at_2`` steps at 2 ranks."""
+    return max(1, round(steps_at_2 * 2 / world))
+
+
+def tta_main(args: argparse.Namespace) -> int:
+    """Time to accuracy on the communication-bound workloads; tables into docs/benchmarks.md."""
+    methods = args.methods.split(";") if args.methods else (TTA_QUICK_METHODS if args.quick else TTA_METHODS)
+    methods += [m for m in args.tuned if m not in methods]
+    if "allreduce" not in methods:
+        raise SystemExit("--methods must include allreduce (the baseline)")
+    links = args.links or ["1gbit"]
+    ranks = args.ranks or ([2] if args.quick else [2, 4])
+    steps = {"lm": args.lm_steps or (60 if args.quick else 200), "digits": args.digits_steps or (100 if args.quick else 240)}
+    points = {"lm": 8, "digits": 24}  # held-out evaluations per run (the lm's cost about 0.3 s each)
+    runs: dict[tuple[str, str, int], dict[str, Any]] = {}
+    port = 29800
+    shaped = True
+    t0 = time.monotonic()
+    configs = [(w, link, world) for w in args.workloads for link in links for world in ranks]
+    for workload, link, world in tqdm(configs, desc="tta runs (workload x link x ranks)", file=sys.stderr):
+        n = equal_samples_steps(steps[workload], world)
+        with ShapedNetwork(world, None if link == "unshaped" else link) as net:
+            shaped = net.shaped
+            runs[(workload, link, world)] = launch(net, world, workload, n, max(1, n // points[workload]), port,
+                                                   args.timeout, methods, ("--progress",))
+        port += 1
+    wall = time.monotonic() - t0
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{"key": list(k), **v} for k, v in runs.items()], f)
+    png = os.path.join(args.img, "tta_loss_vs_time.png")
+    tta_plot(runs, png)
+    body = [
+        "## Time to accuracy on communication-bound workloads",
+        "",
+        f"Command: `python scripts/bench_e2e.py {shlex.join(sys.argv[1:])}` ({wall / 60:.1f} min); torch {torch.__version__}, "
+        f"{os.cpu_count()} CPU cores, gloo, one thread per rank; links "
+        f"{'shaped with tc tbf in network namespaces' if shaped else 'NOT shaped (no root): loopback'}. "
+        "Every method trains the same model from the same initialisation on the same batches. Baselines: "
+        "DDP's all-reduce, PyTorch's fp16_compress_hook and powerSGD_hook (rank 4, error feedback, warm start, "
+        "one bucket). commpress rows without options are `commpress.ddp.register(ddp, name, **params)` at the "
+        "codec's defaults, with `optimizer=opt` when `register` takes it (the row says so); rows marked "
+        "tuned add the options shown. Wire MB/step: per rank, what the hook reports (ring all-reduce "
+        "estimate for the baselines). Step counts are equal within a table; across world sizes every run "
+        "sees the same number of samples (4 ranks train half the steps of 2 ranks).",
+        "",
+    ]
+    for workload in args.workloads:
+        first = next(v for k, v in runs.items() if k[0] == workload)
+        body += [f"### {workload}: " + TTA_WORKLOADS[workload].format(lr=first["lr"], batch=first["batch"]), ""]
+        for (w, link, world), data in runs.items():
+            if w == workload:
+                body += [f"{world} ranks, {link}, {data['steps']} steps:", "", *tta_table(data), ""]
+    body.append(f"![{os.path.basename(png)}](img/{os.path.basename(png)})")
+    print("\n".join(body))
+    write_doc(args.doc, body, TTA_START, TTA_END)
+    print(f"\n[bench_e2e] {wall / 60:.1f} min; wrote {args.doc} and {png}", file=sys.stderr)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="2 ranks, 1 Gbit/s and unshaped, fewer steps")
-    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--links", nargs="+", default=["unshaped", "10gbit", "1gbit"])
+    ap.add_argument("--tta", action="store_true",
+                    help="time to accuracy on the communication-bound workloads (lm, digits) instead of the speed/quality matrix")
+    ap.add_argument("--quick", action="store_true",
+                    help="a smaller matrix (--tta: 2 ranks, 4 methods, 60 LM / 100 digits steps)")
+    ap.add_argument("--ranks", type=int, nargs="+", help="world sizes (default 2 4; --tta --quick: 2)")
+    ap.add_argument("--links", nargs="+", help="default unshaped 10gbit 1gbit; --tta: 1gbit")
+    ap.add_argument("--workloads", nargs="+", choices=["lm", "digits"], default=["lm", "digits"], help="--tta only")
+    ap.add_argument("--lm-steps", type=int,
+                    help="--tta: lm steps at 2 ranks (default 200, quick 60); N ranks train 2/N as many (same samples)")
+    ap.add_argument("--digits-steps", type=int,
+                    help="--tta: digits steps at 2 ranks (default 240 = 12 epochs, quick 100); N ranks: 2/N as many")
+    ap.add_argument("--tuned", action="append", default=[], metavar="METHOD",
+                    help="--tta: an extra commpress method with options (cp-spec@options), labelled tuned")
+    ap.add_argument("--json", help="--tta: also write every run's raw results here")
     ap.add_argument("--steps", type=int, default=8, help="speed workload steps per method (2 untimed)")
     ap.add_argument("--quality-steps", type=int, default=300)
     ap.add_argument("--quality-warmup", type=int, default=50,
                     help="dense warm-up steps of the error-feedback methods in the quality run (0: none)")
-    ap.add_argument("--methods", default=";".join(METHODS), help="semicolon-separated methods")
+    ap.add_argument("--methods", help="semicolon-separated methods (default: every method of the mode)")
     ap.add_argument("--doc", default=os.path.join(ROOT, "docs", "benchmarks.md"))
     ap.add_argument("--img", default=os.path.join(ROOT, "docs", "img"))
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per launch before it is killed")
     args = ap.parse_args()
+    if args.tta:
+        return tta_main(args)
+    args.ranks = args.ranks or [2, 4]
+    args.links = args.links or ["unshaped", "10gbit", "1gbit"]
     if args.quick:
         args.ranks, args.links, args.steps, args.quality_steps = [2], ["unshaped", "1gbit"], 5, 120
-    methods = args.methods.split(";")
+    methods = (args.methods or ";".join(METHODS)).split(";")
     if "allreduce" not in methods:
         ap.error("--methods must include allreduce (the baseline)")
     runs: dict[tuple[str, int], dict[str, Any]] = {}
@@ -230,7 +413,7 @@ def main() -> int:
     body = [
         "## End to end: commpress against PyTorch's hooks on shaped links",
         "",
-        f"Command: `python scripts/bench_e2e.py {' '.join(sys.argv[1:])}`; torch {torch.__version__}, "
+        f"Command: `python scripts/bench_e2e.py {shlex.join(sys.argv[1:])}`; torch {torch.__version__}, "
         f"{os.cpu_count()} CPU cores, gloo; links {'shaped with tc tbf in network namespaces' if shaped else 'NOT shaped (no root): loopback'}.",
         "Speed workload: 17M-parameter MLP (digits), batch 64 per rank, median of the timed steps. "
         "Wire MB/step: per rank; 'claimed' is what the hook reports (ring all-reduce estimate for "

@@ -1,5 +1,8 @@
 """Convergence of the commpress DDP hook against dense DDP on real data (scikit-learn digits).
 
+Data and model are the shared demo workloads (``commpress.demo.workloads``: the fixed digits
+split with 360 held-out images, the MLP 64-width-width-10).
+
 Trains the same MLP with the same optimizer, initialisation and data order once per case on
 ``--world`` gloo ranks (CPU, ``mp.spawn``) and prints test accuracy, bytes per step and the
 compression ratio; ``--json`` writes the table (the tests read it). Each case is one line of
@@ -21,13 +24,13 @@ import sys
 import time
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from commpress.demo.workloads import digits_mlp, digits_split
 
 DEFAULT_CASES = [
     "dense=dense",
@@ -57,30 +60,13 @@ def _number(v: str) -> Any:
     return v
 
 
-def load_data(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    from sklearn.datasets import load_digits
-
-    x, y = load_digits(return_X_y=True)
-    order = np.random.default_rng(seed).permutation(len(y))
-    x = torch.tensor(x[order] / 16.0, dtype=torch.float32)
-    y = torch.tensor(y[order], dtype=torch.int64)
-    n_test = 360
-    return x[n_test:], y[n_test:], x[:n_test], y[:n_test]
-
-
-def make_model(width: int) -> nn.Module:
-    return nn.Sequential(
-        nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10)
-    )
-
-
 def train_case(rank: int, world: int, args: argparse.Namespace, codec: str, opts: dict[str, Any]) -> dict[str, Any]:
     import commpress.ddp
 
-    xtr, ytr, xte, yte = load_data()
+    xtr, ytr, xte, yte = digits_split()
     shard = torch.arange(rank, len(ytr), world)  # each rank its own part of the training set
     torch.manual_seed(args.seed)
-    model = make_model(args.width)
+    model = digits_mlp(args.width, args.width)
     ddp = DDP(model, bucket_cap_mb=args.bucket_cap_mb)
     state = None
     if codec != "dense":

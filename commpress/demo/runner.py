@@ -4,21 +4,34 @@ Used by ``commpress train`` (local workers, :mod:`.train`) and started once per 
 by ``scripts/bench_e2e.py`` as ``python -m commpress.demo.runner --rank R --world N ...``.
 For every method in ``--methods`` it builds the same model from the same seed, wraps it in
 DDP over gloo, attaches the method's communication hook, trains ``--steps`` steps and
-records per-step wall time, the loss curve (with wall-clock timestamps, evaluation excluded),
-the bytes the hook says it sent and the bytes this host's interface really transmitted.
-Rank 0 writes everything to ``--out``.
+records per-step wall time, the held-out curve (with wall-clock timestamps, evaluation
+excluded), the bytes the hook says it sent and the bytes this host's interface really
+transmitted. Rank 0 writes everything to ``--out``.
+
+Workloads (models and data from :mod:`.workloads`):
+
+- ``lm``: the communication-bound byte-level LM (:func:`~.workloads.wide_byte_lm`, 10.8M
+  parameters) on stdlib text, the user's ``AdamW(lr=1e-3)``; held-out loss.
+- ``digits``: MLP 64-256-256-10 on the digits, the user's ``SGD(lr=0.1, momentum=0.9)``,
+  ``bucket_cap_mb=1``; held-out loss and accuracy.
+- ``speed`` (17M-parameter MLP on digits) and ``quality`` (small byte-level transformer):
+  the earlier e2e workloads, SGD with momentum 0.9 moved into the hook (DGC momentum correction).
 
 Methods: ``allreduce`` (DDP, no hook), ``fp16`` (PyTorch's fp16_compress_hook),
 ``powersgd`` (PyTorch's PowerSGD, rank 4, one bucket: on gloo it needs a single bucket),
 and ``cp-<codec>[:k=v,...][@option=value,...]`` for commpress (e.g. ``cp-topk:ratio=0.01``;
 after ``@``, options of :func:`commpress.ddp.register`, e.g.
-``cp-sign:block_size=256@momentum_masking=true,warmup_steps=50``).
+``cp-sign:block_size=256@momentum_masking=true,warmup_steps=50``). On ``lm`` and ``digits``
+a commpress method is registered as a user would: ``register(ddp, name, **params,
+optimizer=opt)`` when ``register`` takes ``optimizer``, else without it, plus only the
+options after ``@`` (a "tuned" row).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import inspect
 import json
 import os
 import statistics
@@ -36,9 +49,21 @@ from tqdm import tqdm
 
 from .. import ddp as commpress_ddp
 from ..codecs import from_spec, parse_params
-from .workloads import ByteLM, TextBatches, digits, lm_loss, wide_mlp
+from .workloads import (
+    ByteLM,
+    TextBatches,
+    digits_arrays,
+    digits_mlp,
+    digits_split,
+    lm_loss,
+    seeded,
+    wide_byte_lm,
+)
 
 MOMENTUM = 0.9
+WORKLOADS = ("lm", "digits", "speed", "quality")
+LM_LR = 1e-3
+LM_HELDOUT = 128  # held-out windows of the lm workload (32 bytes each; 4096 bytes)
 
 
 def tx_bytes() -> int | None:
@@ -70,21 +95,48 @@ def powersgd_floats(model: nn.Module, rank: int) -> int:
 
 
 class Workload:
-    """Model + data + loss for one of the two workloads."""
+    """Model, data, optimizer, loss and held-out metrics of one workload, seen from one rank.
 
-    def __init__(self, kind: str, rank: int, batch: int, lr: float | None = None) -> None:
-        self.kind, self.rank, self.batch = kind, rank, batch
-        self.lr = lr if lr is not None else (0.05 if kind == "speed" else 0.1)
+    ``user_optimizer`` workloads (``lm``, ``digits``) train with the optimizer a user would
+    bring and register commpress as a user would; the older ``speed`` / ``quality`` ones move
+    SGD's momentum into the hook.
+    """
+
+    def __init__(self, kind: str, rank: int, batch: int | None = None, lr: float | None = None, world: int = 1) -> None:
+        if kind not in WORKLOADS:
+            raise ValueError(f"workload must be one of {WORKLOADS}, got {kind!r}")
+        self.kind, self.rank, self.world = kind, rank, world
+        self.user_optimizer = kind in ("lm", "digits")
+        self.bucket_cap_mb = 1.0 if kind == "digits" else 25.0
+        default_batch = {"lm": 4, "digits": 35, "speed": 64, "quality": 16}[kind]
+        self.batch = batch if batch is not None else default_batch
+        default_lr = {"lm": LM_LR, "digits": 0.1, "speed": 0.05, "quality": 0.1}[kind]
+        self.lr = lr if lr is not None else default_lr
         if kind == "speed":
-            self.x, self.y = digits()
+            self.x, self.y = digits_arrays()
+        elif kind == "digits":
+            self.x, self.y, self.x_test, self.y_test = digits_split()
+            self.own = torch.arange(rank, len(self.y), world)  # this rank's part of the training set
         else:
-            self.text = TextBatches(context=64)
-            self.heldout = self.text.heldout(64)
+            self.text = TextBatches(context=32 if kind == "lm" else 64)
+            self.heldout = self.text.heldout(LM_HELDOUT if kind == "lm" else 64)
 
     def model(self) -> nn.Module:
         """A fresh model, identically initialised on every rank."""
         torch.manual_seed(0)
-        return wide_mlp(4096, 2) if self.kind == "speed" else ByteLM(dim=128, layers=2, context=64)
+        if self.kind == "lm":
+            return wide_byte_lm()
+        if self.kind == "digits":
+            return digits_mlp(256, 256)
+        return digits_mlp(4096, 4096) if self.kind == "speed" else ByteLM(dim=128, layers=2, context=64)
+
+    def optimizer(self, params: Any, momentum: float = MOMENTUM) -> torch.optim.Optimizer:
+        """The optimizer of this workload (``momentum``: only for the hook-momentum workloads)."""
+        if self.kind == "lm":
+            return torch.optim.AdamW(params, lr=self.lr)
+        if self.kind == "digits":
+            return torch.optim.SGD(params, lr=self.lr, momentum=MOMENTUM)
+        return torch.optim.SGD(params, lr=self.lr, momentum=momentum)
 
     def loss(self, model: nn.Module, step: int) -> torch.Tensor:
         """Training loss of this rank's batch at ``step``."""
@@ -92,27 +144,70 @@ class Workload:
             g = torch.Generator().manual_seed(step * 131 + self.rank)
             idx = torch.randint(0, self.x.shape[0], (self.batch,), generator=g)
             return nn.functional.cross_entropy(model(self.x[idx]), self.y[idx])
+        if self.kind == "digits":  # epochs over this rank's part, reshuffled every epoch
+            per_epoch = max(1, len(self.own) // self.batch)
+            epoch, i = divmod(step, per_epoch)
+            order = self.own[torch.randperm(len(self.own), generator=seeded(0, self.rank, epoch))]
+            idx = order[i * self.batch : (i + 1) * self.batch]
+            return nn.functional.cross_entropy(model(self.x[idx]), self.y[idx])
         return lm_loss(model, *self.text.batch(step, self.rank, self.batch))
 
     @torch.no_grad()
-    def evaluate(self, model: nn.Module) -> float:
-        """Held-out loss (the whole digits set for the speed workload)."""
-        if self.kind == "speed":
-            return float(nn.functional.cross_entropy(model(self.x), self.y))
-        return float(lm_loss(model, *self.heldout))
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        """Held-out ``loss`` (and ``accuracy`` in percent for digits) on rank 0.
+
+        ``lm`` spreads its held-out windows over the ranks (every rank must call this);
+        the others evaluate on rank 0 only.
+        """
+        if self.kind == "speed":  # the whole digits set (it only measures speed)
+            return {"loss": float(nn.functional.cross_entropy(model(self.x), self.y))}
+        if self.kind == "digits":
+            logits = model(self.x_test)
+            return {"loss": float(nn.functional.cross_entropy(logits, self.y_test)),
+                    "accuracy": 100.0 * float((logits.argmax(1) == self.y_test).float().mean())}
+        if self.kind == "quality":
+            return {"loss": float(lm_loss(model, *self.heldout))}
+        x, y = self.heldout
+        x, y = x[self.rank :: self.world], y[self.rank :: self.world]
+        total = torch.tensor([float(lm_loss(model, x, y)) * y.numel(), float(y.numel())], dtype=torch.float64)
+        if self.world > 1:
+            dist.all_reduce(total)
+        return {"loss": float(total[0] / total[1])}
+
+    @property
+    def distributed_eval(self) -> bool:
+        """True when every rank takes part in :meth:`evaluate`."""
+        return self.kind == "lm"
+
+
+def register_commpress(method: str, ddp: DDP, opt: torch.optim.Optimizer, work: Workload) -> tuple[Any, bool]:
+    """Attach commpress for ``cp-<spec>[@options]``; return ``(state, optimizer passed)``."""
+    spec, _, options = method[3:].partition("@")
+    hook_options = parse_params(options, f"method {method!r}")
+    if not work.user_optimizer:
+        # DGC momentum correction: the hook keeps the velocity, the optimizer has none
+        return commpress_ddp.register(ddp, from_spec(spec), **{"momentum": MOMENTUM, **hook_options}), False
+    name, _, params = spec.partition(":")
+    codec_params = parse_params(params, f"method {method!r}")
+    takes_optimizer = "optimizer" in inspect.signature(commpress_ddp.register).parameters
+    if takes_optimizer:
+        hook_options.setdefault("optimizer", opt)
+    return commpress_ddp.register(ddp, name, **codec_params, **hook_options), takes_optimizer
 
 
 def run_method(method: str, work: Workload, steps: int, warmup: int, eval_every: int,
                progress: bool = False) -> dict[str, Any]:
-    """Train ``work`` for ``steps`` under ``method``; return timings, bytes and the loss curve."""
+    """Train ``work`` for ``steps`` under ``method``; return timings, bytes and the held-out curve."""
     world = dist.get_world_size()
     name = method.partition(":")[0]
     module = work.model()
     single_bucket = name == "powersgd"
-    ddp = DDP(module, bucket_cap_mb=10_000 if single_bucket else 25)
+    ddp = DDP(module, bucket_cap_mb=10_000 if single_bucket else work.bucket_cap_mb)
     state = None
-    opt_momentum = MOMENTUM
+    with_optimizer = False
     numel = dense_numel(module)
+    # the user's optimizer; the hook-momentum workloads drop its momentum under commpress
+    opt = work.optimizer(module.parameters(), momentum=0.0 if name.startswith("cp-") else MOMENTUM)
     if name == "allreduce":
         claimed = 4 * numel
     elif name == "fp16":
@@ -124,20 +219,17 @@ def run_method(method: str, work: Workload, steps: int, warmup: int, eval_every:
         ddp.register_comm_hook(ps_state, powersgd.powerSGD_hook)
         claimed = 4 * powersgd_floats(module, 4)
     elif name.startswith("cp-"):
-        # DGC momentum correction: the hook keeps the velocity, the optimizer has none
-        spec, _, options = method[3:].partition("@")
-        hook_options = {"momentum": MOMENTUM, **parse_params(options, f"method {method!r}")}
-        state = commpress_ddp.register(ddp, from_spec(spec), **hook_options)
-        opt_momentum = 0.0
+        state, with_optimizer = register_commpress(method, ddp, opt, work)
         claimed = 0
     else:
         raise SystemExit(f"unknown method {method!r}")
-    opt = torch.optim.SGD(module.parameters(), lr=work.lr, momentum=opt_momentum)
     step_s: list[float] = []
-    curve: list[tuple[int, float, float]] = []  # (step, train seconds so far, eval loss)
+    curve: list[tuple[int, float, float]] = []  # (step, train seconds so far, held-out loss)
+    accuracy: list[float] = []  # held-out accuracy at the curve's points (digits)
     train_s = 0.0
     tx0 = tx_bytes()
-    bar = tqdm(total=steps, desc=f"{method:<28}", unit="step", file=sys.stderr, disable=not progress)
+    bar = tqdm(total=steps, desc=f"{method:<28}", unit="step", file=sys.stderr, disable=not progress,
+               mininterval=2.0)
     for step in range(steps):
         if step == warmup:
             tx0 = tx_bytes()
@@ -152,9 +244,13 @@ def run_method(method: str, work: Workload, steps: int, warmup: int, eval_every:
         train_s += dt
         if step >= warmup:
             step_s.append(dt)
-        if work.rank == 0 and eval_every and (step % eval_every == eval_every - 1 or step == steps - 1):
-            curve.append((step + 1, train_s, work.evaluate(module)))
-            bar.set_postfix(loss=f"{curve[-1][2]:.3f}")
+        if eval_every and (step % eval_every == eval_every - 1 or step == steps - 1) and (
+                work.rank == 0 or work.distributed_eval):
+            metrics = work.evaluate(module)
+            curve.append((step + 1, train_s, metrics["loss"]))
+            if "accuracy" in metrics:
+                accuracy.append(metrics["accuracy"])
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}")
         bar.update()
     bar.close()
     timed = steps - warmup
@@ -169,16 +265,20 @@ def run_method(method: str, work: Workload, steps: int, warmup: int, eval_every:
     else:
         claimed_wire = claimed * 2 * (world - 1) / world  # ring all-reduce per rank
         ratio = 4 * numel / claimed
+    final = work.evaluate(module) if not curve and (work.rank == 0 or work.distributed_eval) else {}
     dist.barrier()
     return {
         "method": method,
         "params": numel,
+        "optimizer_passed": with_optimizer,
         "median_step_s": statistics.median(step_s) if step_s else None,
         "claimed_wire_bytes_per_step": claimed_wire,
         "measured_wire_bytes_per_step": [float(t) for t in gathered],
         "compression_ratio": ratio,
-        "final_loss": curve[-1][2] if curve else work.evaluate(module),
+        "final_loss": curve[-1][2] if curve else final.get("loss"),
+        "final_accuracy": accuracy[-1] if accuracy else final.get("accuracy"),
         "curve": curve,
+        "accuracy": accuracy,
     }
 
 
@@ -189,30 +289,33 @@ def main() -> int:
     ap.add_argument("--world", type=int, required=True)
     ap.add_argument("--master", default="127.0.0.1", help="address of rank 0")
     ap.add_argument("--port", type=int, default=29500)
-    ap.add_argument("--workload", choices=["speed", "quality"], default="speed")
+    ap.add_argument("--workload", choices=WORKLOADS, default="speed")
     ap.add_argument("--methods", required=True, help="semicolon-separated; see the module docstring")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2, help="untimed first steps")
-    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--batch", type=int, help="per rank (default: the workload's: lm 4, digits 35, speed 64, quality 16)")
+    ap.add_argument("--lr", type=float, help="learning rate (default: the workload's)")
     ap.add_argument("--eval-every", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--progress", action="store_true", help="rank 0 shows a progress bar per method")
     ap.add_argument("--out", help="rank 0 writes the results here (JSON)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds a collective may wait before failing")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=f"tcp://{args.master}:{args.port}", rank=args.rank,
                             world_size=args.world, timeout=datetime.timedelta(seconds=args.timeout))
-    work = Workload(args.workload, args.rank, args.batch)
+    work = Workload(args.workload, args.rank, args.batch, args.lr, world=args.world)
     results = []
     for method in args.methods.split(";"):
-        res = run_method(method, work, args.steps, args.warmup, args.eval_every)
+        res = run_method(method, work, args.steps, args.warmup, args.eval_every, progress=args.progress and args.rank == 0)
         if args.rank == 0:
-            print(f"[e2e] {method}: median step {res['median_step_s']:.3f} s, final loss {res['final_loss']:.4f}",
-                  file=sys.stderr, flush=True)
+            print(f"[e2e] {args.workload} x{args.world} {method}: median step {res['median_step_s']:.3f} s, "
+                  f"final loss {res['final_loss']:.4f}", file=sys.stderr, flush=True)
         results.append(res)
     if args.rank == 0 and args.out:
         with open(args.out, "w") as f:
-            json.dump({"world": args.world, "workload": args.workload, "results": results}, f)
+            json.dump({"world": args.world, "workload": args.workload, "steps": args.steps, "batch": work.batch,
+                       "lr": work.lr, "results": results}, f)
     dist.destroy_process_group()
     return 0
 

@@ -1,0 +1,81 @@
+"""The shared demo workloads (commpress.demo.workloads) and bench_e2e's time-to-accuracy tables."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from commpress.demo import workloads as wl
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_text_reader_windows_and_batches_are_deterministic():
+    text = wl.stdlib_text(50_000)
+    assert len(text) == 50_000 and text == wl.stdlib_text(50_000)
+    data = wl.byte_tensor(text[:100])
+    x, y = wl.text_windows(data, torch.tensor([0, 10]), 8)
+    assert x.shape == y.shape == (2, 8)
+    assert torch.equal(x[1, 1:], y[1, :-1]) and int(y[0, -1]) == text[8]
+    tb = wl.TextBatches(context=16, nbytes=100_000, holdout=10_000)
+    a, b = tb.batch(3, 1, 4), tb.batch(3, 1, 4)
+    assert torch.equal(a[0], b[0]) and not torch.equal(a[0], tb.batch(3, 0, 4)[0])
+    assert tb.heldout(5)[0].shape == (5, 16)
+    with pytest.raises(ValueError, match="context"):
+        wl.TextBatches(context=0)
+
+
+def test_digits_split_and_mlp():
+    pytest.importorskip("sklearn")
+    xtr, ytr, xte, yte = wl.digits_split()
+    assert xtr.shape == (1437, 64) and xte.shape == (360, 64) and len(ytr) == 1437 and len(yte) == 360
+    assert float(xtr.min()) == 0.0 and float(xtr.max()) == 1.0
+    x, y = wl.digits_arrays()
+    assert sorted(torch.cat([ytr, yte]).tolist()) == sorted(y.tolist())
+    m = wl.digits_mlp(256, 256)
+    assert [p.shape for p in m.parameters()][::2] == [(256, 64), (256, 256), (10, 256)]
+    with pytest.raises(ValueError, match="hidden"):
+        wl.digits_mlp()
+
+
+def test_byte_lms():
+    lm = wl.ByteLM(dim=32, layers=1, context=16, ffn=64)
+    assert lm(torch.randint(0, 256, (2, 10))).shape == (2, 10, 256)
+    wide = wl.wide_byte_lm()
+    assert sum(p.numel() for p in wide.parameters()) >= 10_000_000
+    with pytest.raises(ValueError, match="heads"):
+        wl.ByteLM(dim=30, heads=4)
+
+
+def _bench():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    spec = importlib.util.spec_from_file_location("bench_e2e", ROOT / "scripts" / "bench_e2e.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_tta_table_reports_time_to_target():
+    bench = _bench()
+
+    def run(method, losses, accs, step_s, passed=False):
+        curve = [[10 * (i + 1), step_s * 10 * (i + 1), v] for i, v in enumerate(losses)]
+        return {"method": method, "curve": curve, "accuracy": accs, "final_loss": losses[-1],
+                "final_accuracy": accs[-1], "median_step_s": step_s, "claimed_wire_bytes_per_step": 1e6,
+                "optimizer_passed": passed}
+
+    data = {"workload": "digits", "results": [
+        run("allreduce", [1.0, 0.5, 0.2], [80.0, 95.0, 97.0], 0.2),
+        run("cp-topk:ratio=0.01", [0.9, 0.2, 0.19], [85.0, 96.5, 97.5], 0.1, passed=True),
+        run("cp-sign@warmup_steps=5", [2.0, 1.5, 1.0], [50.0, 60.0, 70.0], 0.1),
+    ]}
+    lines = bench.tta_table(data)
+    text = "\n".join(lines)
+    assert "0.2040" in lines[0] and "96.00%" in lines[0]
+    topk = next(line for line in lines if "topk" in line)
+    # reaches loss 0.204 at step 20 (2.0 s; dense at step 30, 6.0 s) and accuracy 96% at step 20
+    assert "`optimizer=opt`" in topk and "(defaults)" in topk and "| 2.0 | 0.33x | 2.0 |" in topk
+    assert "(tuned: `warmup_steps=5`)" in text and "not reached" in text
+    assert lines[3].count("|") == lines[2].count("|")
