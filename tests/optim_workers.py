@@ -153,3 +153,23 @@ def worker_guard(rank: int, world: int, out: str) -> None:
         results[case] = {**{k: v for k, v in state.stats().items() if k.startswith("guard")}, "flushed": flushed}
     if rank == 0:
         torch.save(results, Path(out, "guard.pt"))
+
+
+def worker_extensions(rank: int, world: int, out: str) -> None:
+    """The example codec and algorithm (tests/example_extensions.py) train like dense."""
+    import example_extensions
+
+    example_extensions.install()
+    results = {"init": flat_params(make_ddp())}
+    for codec, algorithm in (("none", "auto"), ("int8-example", "allgather"), ("int8-example", "twophase"),
+                             ("int8-example", "scatter-dense-example"), ("sign", "scatter-dense-example")):
+        ddp = make_ddp()
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        if codec != "none":
+            commpress.ddp.register(ddp, codec, optimizer=opt, algorithm=algorithm)
+        for step in range(30):
+            train_step(ddp, opt, rank, step)
+        assert_same_across_ranks(ddp, f"{codec} {algorithm}")
+        results[f"{codec}/{algorithm}"] = flat_params(ddp)
+    if rank == 0:
+        torch.save(results, Path(out, "ext.pt"))

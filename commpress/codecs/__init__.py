@@ -34,9 +34,24 @@ _BY_ID = {cls.codec_id: cls for cls in _CLASSES}
 
 __all__ = [
     "Bf16Codec", "Codec", "Fp16Codec", "NoneCodec", "QSGDCodec", "RandomKCodec", "SignCodec",
-    "TopKCodec", "available", "codec_class", "codec_class_by_id", "from_config", "from_spec", "get",
+    "TopKCodec", "available", "register", "codec_class", "codec_class_by_id", "from_config", "from_spec", "get",
     "parse_option", "parse_params", "parse_value", "to_spec",
 ]
+
+
+def register(cls: type[Codec]) -> type[Codec]:
+    """Add a codec class to the registry (usable as a decorator); its name and wire id must be new.
+
+    A codec is one file: a :class:`Codec` subclass with its reference encode/decode, wire layout,
+    properties and capabilities (see ``tests/example_extensions.py`` for a worked example).
+    """
+    if not (isinstance(cls, type) and issubclass(cls, Codec)):
+        raise CodecError(f"register needs a Codec subclass, got {cls!r}")
+    if cls.name in _BY_NAME or cls.codec_id in _BY_ID or not 0 < cls.codec_id < 256:
+        raise CodecError(f"codec {cls.name!r} (wire id {cls.codec_id}) clashes with a registered one or is out of range")
+    _BY_NAME[cls.name] = cls
+    _BY_ID[cls.codec_id] = cls
+    return cls
 
 
 def available() -> list[str]:

@@ -40,6 +40,14 @@ from .twophase import TwoPhase, piece_bounds, piece_key
 ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (AllReduce(), AllGather(), TwoPhase())}
 
 
+def register(algorithm: Algorithm) -> Algorithm:
+    """Add an algorithm under its name (a new one; see ``tests/example_extensions.py``)."""
+    if not isinstance(algorithm, Algorithm) or algorithm.name in ALGORITHMS:
+        raise CodecError(f"cannot register {algorithm!r}: not an Algorithm, or its name is taken")
+    ALGORITHMS[algorithm.name] = algorithm
+    return algorithm
+
+
 def get(name: str) -> Algorithm:
     """The algorithm registered under ``name``; :class:`CodecError` if unknown."""
     try:
@@ -87,5 +95,5 @@ def run(
 __all__ = [
     "ALGORITHMS", "Algorithm", "CommStats", "Piece", "Slot", "StepContext", "all_gather_single",
     "allreduce_mean", "check_algorithm", "check_slots", "default_algorithm", "get", "piece_bounds",
-    "piece_key", "run",
+    "piece_key", "register", "run",
 ]

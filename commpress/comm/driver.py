@@ -23,6 +23,7 @@ per parameter, or per piece of one) and its phases (:meth:`Algorithm.launch`).
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -67,11 +68,8 @@ class Slot:
 
     @property
     def numel(self) -> int:
-        """Number of elements of the slot."""
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        """Number of elements."""
+        return math.prod(self.shape)
 
     @property
     def dense(self) -> bool:
@@ -253,10 +251,7 @@ class Algorithm(ABC):
 
     def residual_layout(self, name: str, shape: tuple[int, ...], codec: Codec, world_size: int) -> list[Piece]:
         """The worker residuals one compressed parameter needs (default: one, its own shape)."""
-        numel = 1
-        for s in shape:
-            numel *= s
-        return [Piece(name, 0, numel, shape)]
+        return [Piece(name, 0, math.prod(shape), shape)]
 
     def server_layout(
         self, name: str, shape: tuple[int, ...], codec: Codec, world_size: int, rank: int

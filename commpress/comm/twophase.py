@@ -17,6 +17,7 @@ is flagged by every server in step 3, so all ranks write NaN for it.
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -61,7 +62,7 @@ class TwoPhase(Algorithm):
     def residual_layout(self, name: str, shape: tuple[int, ...], codec: Codec, world_size: int) -> list[Piece]:
         """One residual per piece: ``name#j`` for j < world_size."""
         return [Piece(piece_key(name, j), lo, hi, (hi - lo,))
-                for j, (lo, hi) in enumerate(piece_bounds(_numel(shape), world_size, codec.block_alignment()))]
+                for j, (lo, hi) in enumerate(piece_bounds(math.prod(shape), world_size, codec.block_alignment()))]
 
     def server_layout(
         self, name: str, shape: tuple[int, ...], codec: Codec, world_size: int, rank: int
@@ -164,10 +165,3 @@ class TwoPhase(Algorithm):
         """Any fixed-size codec."""
         if not codec.fixed_size:
             raise CodecError(f"algorithm 'twophase' needs fixed-size packets; {codec!r} is variable-size")
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

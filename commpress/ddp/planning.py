@@ -10,6 +10,7 @@ buckets after the first step.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -38,10 +39,7 @@ class ParamPlan:
     @property
     def numel(self) -> int:
         """Number of elements."""
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
 
 def default_rule(min_numel: int, dense_1d: bool) -> CompressFilter:
