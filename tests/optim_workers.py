@@ -38,7 +38,7 @@ def train_digits(rank: int, world: int, codec: str | None, opts: dict, epochs: i
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
     ddp = DDP(model, bucket_cap_mb=1)
-    opt = torch.optim.SGD(ddp.parameters(), **optim)
+    opt = torch.optim.AdamW(ddp.parameters(), **optim) if "betas" in optim else torch.optim.SGD(ddp.parameters(), **optim)
     if codec is not None:
         commpress.ddp.register(ddp, codec, optimizer=opt, **opts)
     for _ in range(epochs):
@@ -55,8 +55,9 @@ def train_digits(rank: int, world: int, codec: str | None, opts: dict, epochs: i
 def worker_tracks_dense(rank: int, world: int, out: str, epochs: int) -> None:
     """Dense vs every biased codec with the user's SGD momentum (plain and Nesterov)."""
     results = {}
-    for optim in ({"lr": 0.1, "momentum": 0.9}, {"lr": 0.05, "momentum": 0.9, "nesterov": True}):
-        tag = "nesterov" if optim.get("nesterov") else "momentum"
+    for optim in ({"lr": 0.1, "momentum": 0.9}, {"lr": 0.05, "momentum": 0.9, "nesterov": True},
+                  {"lr": 1e-3, "betas": (0.9, 0.999), "weight_decay": 0.01}):
+        tag = "adamw" if "betas" in optim else "nesterov" if optim.get("nesterov") else "momentum"
         results[f"dense/{tag}"] = train_digits(rank, world, None, {}, epochs, optim)
         for codec, opts in (("topk", {"ratio": 0.01}), ("sign", {})):
             results[f"{codec}/{tag}"] = train_digits(rank, world, codec, opts, epochs, optim)
@@ -83,24 +84,32 @@ def worker_dense_equivalence(rank: int, world: int) -> None:
 
 
 def worker_checkpoint(rank: int, world: int, phase: str, outdir: str, half: int) -> None:
+    """SGD with Nesterov, then AdamW (its compressed-momentum phase), through one checkpoint each."""
+    _checkpoint_case(rank, phase, outdir, half, "sgd",
+                     lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9, nesterov=True), {})
+    _checkpoint_case(rank, phase, outdir, half, "adamw",
+                     lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01), {"warmup_steps": 3})
+
+
+def _checkpoint_case(rank: int, phase: str, outdir: str, half: int, tag: str, make_opt, opts: dict) -> None:
     """Optimizer path: save model + optimizer + commpress state, resume in fresh processes, compare.
 
     The optimizer is restored *before* register in the resume phase (the order users often
     choose): its param groups carry the momentum the hook applies, so nothing depends on order.
     """
     ddp = make_ddp()
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9, nesterov=True)
-    path, final = Path(outdir, f"optim_rank{rank}.pt"), Path(outdir, f"optim_final_rank{rank}.pt")
+    opt = make_opt(ddp.parameters())
+    path, final = Path(outdir, f"{tag}_rank{rank}.pt"), Path(outdir, f"{tag}_final_rank{rank}.pt")
     start = 0
     if phase == "resume":
         ckpt = torch.load(path, weights_only=True)
         ddp.module.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optim"])
-        state = commpress.ddp.register(ddp, "sign", optimizer=opt)
+        state = commpress.ddp.register(ddp, "sign", optimizer=opt, **opts)
         state.load_state_dict(ckpt["commpress"])
         start = half
     else:
-        state = commpress.ddp.register(ddp, "sign", optimizer=opt)
+        state = commpress.ddp.register(ddp, "sign", optimizer=opt, **opts)
     for step in range(start, 2 * half):
         if phase == "full" and step == half:
             torch.save({"model": ddp.module.state_dict(), "optim": opt.state_dict(),
@@ -110,7 +119,7 @@ def worker_checkpoint(rank: int, world: int, phase: str, outdir: str, half: int)
         torch.save(flat_params(ddp), final)
     else:
         expected = torch.load(final, weights_only=True)
-        assert_all_ranks(torch.equal(expected, flat_params(ddp)), "resumed optimizer-path run differs")
+        assert_all_ranks(torch.equal(expected, flat_params(ddp)), f"{tag}: resumed optimizer-path run differs")
 
 
 def worker_register_one_rank(rank: int, world: int, out: str) -> None:

@@ -149,6 +149,7 @@ class FrozenVarianceAdam:
         self.freeze_step = freeze_step
         self.active = False
         self._hidden: dict[torch.Tensor, torch.Tensor] = {}
+        self._scratch: dict[torch.Tensor, torch.Tensor] = {}
         optimizer.register_step_pre_hook(self._pre_step)
         optimizer.register_step_post_hook(self._post_step)
 
@@ -189,8 +190,14 @@ class FrozenVarianceAdam:
                 step = float(st["step"])
                 with torch.no_grad():
                     st["exp_avg"].copy_(p.grad)
-                    denom = (st["exp_avg_sq"].sqrt() / math.sqrt(1.0 - b2**self.freeze_step)).add_(eps)
-                    update = st["exp_avg"].div(denom).div_(1.0 - b1**step)
+                    # one scratch buffer per parameter, reused: no allocation (page faults) per step
+                    update = self._scratch.get(p)
+                    if update is None:
+                        update = self._scratch[p] = torch.empty_like(st["exp_avg_sq"])
+                    torch.sqrt(st["exp_avg_sq"], out=update)
+                    update.div_(math.sqrt(1.0 - b2**self.freeze_step)).add_(eps)
+                    torch.div(st["exp_avg"], update, out=update)
+                    update.div_(1.0 - b1**step)
                     # Adam's own update never exceeds (1-b1)/sqrt(1-b2) per coordinate; a compressed
                     # momentum can (sign gives +-scale where v froze near 0): hold it to Adam's bound
                     bound = (1.0 - b1) / math.sqrt(1.0 - b2)
