@@ -15,7 +15,7 @@ CODEC_CONFIGS = {
     "bf16": dict(name="bf16"),
     "topk-ratio": dict(name="topk", ratio=0.05),
     "topk-k": dict(name="topk", k=1),
-    "randomk-scaled": dict(name="randomk", ratio=0.1, scaled=True),
+    "randomk-scaled": dict(name="randomk", ratio=0.1),
     "randomk-unscaled": dict(name="randomk", ratio=0.1, scaled=False),
     "sign": dict(name="sign"),
     "sign-block": dict(name="sign", block_size=16),

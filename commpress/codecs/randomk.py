@@ -62,17 +62,19 @@ class RandomKCodec(Codec):
     stochastic = True
     summable = True  # every rank draws the same indices from the shared seed
 
-    def __init__(self, ratio: float | None = None, k: int | None = None, scaled: bool = False) -> None:
-        # Unscaled by default (then error feedback is on): scaling by d/k makes the estimate
-        # unbiased but multiplies its variance by ~d/k (100x at ratio 0.01); measured on the
-        # digits MLP with SGD momentum 0.9, scaled random-k 1% ended at chance (8.6%).
+    def __init__(self, ratio: float | None = None, k: int | None = None, scaled: bool = True) -> None:
+        # Scaling by d/k makes the estimate unbiased but multiplies its variance by ~d/k (100x at
+        # ratio 0.01). The parameter server (error feedback on pushes, momentum on the server)
+        # needs it: unscaled, random-k there ended at 65% on digits (tests/test_ps_mpi.py, uncompressed
+        # 96.4%; scaled stays within its 2-point bound). The DDP hook,
+        # whose error feedback holds the momentum, defaults to unscaled (ddp/state.py).
         check_ratio_k(ratio, k, self.name)
         if not isinstance(scaled, bool):
             raise CodecError(f"randomk: scaled must be a bool, got {scaled!r}")
         if scaled and ratio is not None and ratio < 0.1:
             logger.warning(
                 "commpress: scaled random-k at ratio %g multiplies the gradient's variance by ~%.0fx; "
-                "training will likely diverge (use scaled=False with error feedback, the default)",
+                "training may diverge (in DDP use scaled=False with error feedback, its default)",
                 ratio, 1 / ratio,
             )
         self.ratio = None if ratio is None else float(ratio)
