@@ -126,35 +126,3 @@ def test_convergence_on_digits_matches_dense(tmp_path: Path) -> None:
     for with_ef, without in (("topk1%+EF", "topk1%-EF"), ("sign256+EF", "sign256-EF")):
         assert acc[with_ef] >= dense - 1.5, (with_ef, acc)
         assert acc[without] <= acc[with_ef] - 2.0, (without, acc)
-
-
-def test_frame_roundtrip_and_hostile_bytes() -> None:
-    from commpress.wire.frame import FrameLayout
-
-    topk = commpress.codecs.get("topk", ratio=0.1)
-    dense = commpress.codecs.get("none")
-    layout = FrameLayout([("w", topk, 100), ("b", dense, 7)], torch.float32)
-    x, b = torch.randn(100), torch.randn(7)
-    frame = layout.pack([topk.encode(x), None])
-    assert frame.numel() == layout.nbytes and layout.nbytes % 8 == 0
-    got = layout.unpack(frame, source=0)
-    assert got[1] is None  # the non-finite flag travels instead of a packet
-    assert got[0] is not None and torch.equal(topk.decode(got[0]), topk.decode(topk.encode(x)))
-    frame = layout.pack([topk.encode(x), dense.encode(b)])
-    with pytest.raises(commpress.WireError, match="rank 3: 10 bytes"):
-        layout.unpack(frame[:10], source=3)
-    bad = frame.clone()
-    bad[0] = 0
-    with pytest.raises(commpress.WireError, match="bad header"):
-        layout.unpack(bad, source=1)
-    bad = frame.clone()
-    bad[8] = 7  # unknown flag of slot 'w'
-    with pytest.raises(commpress.WireError, match="slot 'w' has unknown flag"):
-        layout.unpack(bad, source=1)
-    bad = frame.clone()
-    bad[layout.offsets[1] + 8] ^= 0xFF  # corrupt the numel of slot 'b'
-    with pytest.raises(commpress.WireError, match="rank 2, slot 'b'"):
-        layout.unpack(bad, source=2)
-    other = FrameLayout([("w", topk, 100), ("b", commpress.codecs.get("fp16"), 7)], torch.float32)
-    with pytest.raises(commpress.WireError):
-        other.unpack(frame, source=0)  # sizes disagree: rejected before any decode
