@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 
 #include "commpress/bitpack.h"
 #include "commpress/hd.h"
@@ -133,6 +134,110 @@ inline void check_strata(const char* op, int64_t n, int64_t k) {
   TORCH_CHECK(k == 0 || n_blocks(n, k) < (int64_t{1} << 32), op, ": k=", k,
               " is too small for numel=", n, " (strata longer than 2**32)");
   TORCH_CHECK(k < (int64_t{1} << 32), op, ": k=", k, " must be < 2**32");
+}
+
+// A tensor that goes with `out`: 1-D, contiguous, on out's device, of dtype `want`.
+inline void check_companion(const char* op, const char* name, const at::Tensor& t,
+                            const at::Tensor& out, at::ScalarType want) {
+  check_vector(op, name, t, out.device().type());
+  check_same_device(op, name, t, out, "out");
+  check_dtype(op, name, t, want);
+}
+
+// sign_decode's arguments (one scale per block, one bit per output); returns out's dtype code.
+inline DType check_sign_decode(const at::Tensor& scales, const at::Tensor& bits,
+                               int64_t block_size, const at::Tensor& out,
+                               c10::DeviceType device) {
+  static constexpr const char* op = "sign_decode";
+  check_vector(op, "out", out, device);
+  const DType dtype = float_code(op, "out", out);
+  check_companion(op, "scales", scales, out, compute_type(out.scalar_type()));
+  check_companion(op, "bits", bits, out, at::kByte);
+  check_block(op, "block_size", block_size, 0);
+  const int64_t n = out.numel();
+  const int64_t block = effective_block(n, block_size);
+  TORCH_CHECK(scales.numel() == n_blocks(n, block), op, ": scales has ", scales.numel(),
+              " elements, ", n, " outputs in blocks of ", block, " need ", n_blocks(n, block));
+  TORCH_CHECK(bits.numel() == packed_nbytes(n, 1), op, ": bits has ", bits.numel(),
+              " bytes, ", n, " outputs need ", packed_nbytes(n, 1));
+  return dtype;
+}
+
+// qsgd_decode's arguments (one norm per bucket, `bits` bits per output); returns out's code.
+inline DType check_qsgd_decode(const at::Tensor& norms, const at::Tensor& packed, int64_t bits,
+                               int64_t levels, int64_t bucket_size, const at::Tensor& out,
+                               c10::DeviceType device) {
+  static constexpr const char* op = "qsgd_decode";
+  check_vector(op, "out", out, device);
+  const DType dtype = float_code(op, "out", out);
+  check_qsgd_params(op, bits, levels, bucket_size);
+  check_companion(op, "norms", norms, out, compute_type(out.scalar_type()));
+  check_companion(op, "packed", packed, out, at::kByte);
+  const int64_t n = out.numel();
+  TORCH_CHECK(norms.numel() == n_blocks(n, bucket_size), op, ": norms has ", norms.numel(),
+              " elements, ", n, " outputs in buckets of ", bucket_size, " need ",
+              n_blocks(n, bucket_size));
+  TORCH_CHECK(packed.numel() == packed_nbytes(n, bits), op, ": packed has ", packed.numel(),
+              " bytes, ", n, " fields of bits=", bits, " need ", packed_nbytes(n, bits));
+  return dtype;
+}
+
+// sparse_scatter_add's tensors (the index values are checked by the kernels, before any
+// write); returns out's dtype code.
+inline DType check_sparse_scatter_add(at::TensorList indices, at::TensorList values,
+                                      const at::Tensor& out, c10::DeviceType device) {
+  static constexpr const char* op = "sparse_scatter_add";
+  check_vector(op, "out", out, device);
+  const DType dtype = float_code(op, "out", out);
+  TORCH_CHECK(indices.size() == values.size(), op, ": got ", indices.size(),
+              " index tensors but ", values.size(), " value tensors");
+  for (size_t p = 0; p < indices.size(); ++p) {
+    const at::Tensor& idx = indices[p];
+    const at::Tensor& val = values[p];
+    check_vector(op, "indices[p]", idx, device);
+    check_vector(op, "values[p]", val, device);
+    check_same_device(op, "indices[p]", idx, out, "out");
+    check_same_device(op, "values[p]", val, out, "out");
+    TORCH_CHECK(idx.scalar_type() == at::kInt || idx.scalar_type() == at::kLong, op,
+                ": indices[", p, "] must have dtype int32 or int64, got ", idx.scalar_type());
+    TORCH_CHECK(val.scalar_type() == out.scalar_type(), op, ": values[", p, "] has dtype ",
+                val.scalar_type(), ", out has ", out.scalar_type());
+    TORCH_CHECK(idx.numel() == val.numel(), op, ": indices[", p, "] has ", idx.numel(),
+                " elements, values[", p, "] has ", val.numel());
+  }
+  return dtype;
+}
+
+// randomk_scatter_add's tensors (k = values.numel() strata of out); returns out's dtype code.
+inline DType check_randomk_scatter_add(const at::Tensor& values, const at::Tensor& out,
+                                       c10::DeviceType device) {
+  static constexpr const char* op = "randomk_scatter_add";
+  check_vector(op, "out", out, device);
+  const DType dtype = float_code(op, "out", out);
+  check_vector(op, "values", values, device);
+  check_same_device(op, "values", values, out, "out");
+  TORCH_CHECK(values.scalar_type() == out.scalar_type(), op, ": values has dtype ",
+              values.scalar_type(), ", out has ", out.scalar_type());
+  check_strata(op, out.numel(), values.numel());
+  return dtype;
+}
+
+// An encode's input: x a 1-D contiguous float tensor on `device`, and its optional residual.
+struct EncodeInput {
+  DType dtype;
+  const at::Tensor* residual;  // nullptr when absent
+};
+
+inline EncodeInput check_encode_input(const char* op, const at::Tensor& x,
+                                      const std::optional<at::Tensor>& residual,
+                                      c10::DeviceType device) {
+  check_vector(op, "x", x, device);
+  const DType dtype = float_code(op, "x", x);
+  const at::Tensor* e = residual.has_value() ? &*residual : nullptr;
+  if (e != nullptr) {
+    check_residual(op, *e, x);
+  }
+  return {dtype, e};
 }
 
 // Raises the non-finite kind (c10::ValueError) unless `finite`: NaN or Inf in what the op was

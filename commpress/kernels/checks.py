@@ -57,6 +57,20 @@ def packed_nbytes(n: int, bits: int) -> int:
     return (n * bits + 7) // 8
 
 
+def sign_outputs(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty ``(scales, bits)`` that ``sign_encode`` of ``x`` fills, on ``x``'s device."""
+    n = x.numel()
+    scales = x.new_empty(n_blocks(n, effective_block(n, block_size)), dtype=accumulate_dtype(x.dtype))
+    return scales, x.new_empty(packed_nbytes(n, 1), dtype=torch.uint8)
+
+
+def qsgd_outputs(x: torch.Tensor, bits: int, bucket_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty ``(norms, packed)`` that ``qsgd_encode`` of ``x`` fills, on ``x``'s device."""
+    n = x.numel()
+    norms = x.new_empty(n_blocks(n, effective_block(n, bucket_size)), dtype=accumulate_dtype(x.dtype))
+    return norms, x.new_empty(packed_nbytes(n, bits), dtype=torch.uint8)
+
+
 def rng_key(seed: int, stream: int) -> np.uint64:
     """The RNG key of ``(seed, stream)``, ``seed`` as the native schema passes it (int64 bits)."""
     return np.uint64(rng.key(seed & rng.SEED_MASK, stream))

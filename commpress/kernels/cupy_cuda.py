@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from .. import rng
-from ..dtypes import accumulate_dtype, index_dtype
+from ..dtypes import index_dtype
 from . import checks
 from .backends import OP_NAMES
 
@@ -420,9 +420,8 @@ def sign_encode(
     op = "sign_encode"
     n = x.numel()
     block = checks.effective_block(n, block_size)
-    ct = accumulate_dtype(x.dtype)
-    scales = torch.empty(checks.n_blocks(n, block), dtype=ct, device=x.device)
-    bits = torch.empty(checks.packed_nbytes(n, 1), dtype=torch.uint8, device=x.device)
+    scales, bits = checks.sign_outputs(x, block)
+    ct = scales.dtype
     if n == 0:
         return scales, bits
     layout = _layout(n, block)
@@ -499,9 +498,8 @@ def qsgd_encode(
     """``(norms, packed levels)`` of QSGD; with ``residual``, fused error feedback."""
     op = "qsgd_encode"
     n = x.numel()
-    ct = accumulate_dtype(x.dtype)
-    norms = torch.empty(checks.n_blocks(n, bucket_size), dtype=ct, device=x.device)
-    packed = torch.empty(checks.packed_nbytes(n, bits), dtype=torch.uint8, device=x.device)
+    norms, packed = checks.qsgd_outputs(x, bits, bucket_size)
+    ct = norms.dtype
     if n == 0:
         return norms, packed
     layout = _layout(n, bucket_size)

@@ -112,9 +112,7 @@ def sign_encode(
     """``(scales, bits)`` of sign; with ``residual``, fused error feedback (updated in place)."""
     n = x.numel()
     block = checks.effective_block(n, block_size)
-    ct = accumulate_dtype(x.dtype)
-    scales = torch.empty(checks.n_blocks(n, block), dtype=ct)
-    bits = torch.empty(checks.packed_nbytes(n, 1), dtype=torch.uint8)
+    scales, bits = checks.sign_outputs(x, block)
     if n == 0:
         return scales, bits
     xc = _as_compute(x)
@@ -158,9 +156,8 @@ def qsgd_encode(
     """``(norms, packed levels)`` of QSGD; with ``residual``, fused error feedback."""
     n = x.numel()
     bucket_size = checks.effective_block(n, bucket_size)
-    ct = accumulate_dtype(x.dtype)
-    norms = torch.empty(checks.n_blocks(n, bucket_size), dtype=ct)
-    packed = torch.empty(checks.packed_nbytes(n, bits), dtype=torch.uint8)
+    norms, packed = checks.qsgd_outputs(x, bits, bucket_size)
+    ct = norms.dtype
     if n == 0:
         return norms, packed
     xc = _as_compute(x)

@@ -37,7 +37,7 @@ import torch
 
 from .. import rng
 from ..bitpack import pack_bits_reference, unpack_bits_reference
-from ..dtypes import accumulate_dtype, index_dtype
+from ..dtypes import index_dtype
 from ..errors import CodecError, KernelArgumentError, NonFiniteError
 from . import backends, checks
 
@@ -169,62 +169,27 @@ def _register_fakes() -> None:
     def _sign_encode_fake(
         x: torch.Tensor, residual: torch.Tensor | None, block_size: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        n = x.numel()
-        nb = checks.n_blocks(n, checks.effective_block(n, block_size))
-        return x.new_empty(nb, dtype=accumulate_dtype(x.dtype)), x.new_empty(packed_nbytes(n, 1), dtype=torch.uint8)
-
-    @torch.library.register_fake("commpress::sign_decode")
-    def _sign_decode_fake(
-        scales: torch.Tensor,
-        bits: torch.Tensor,
-        block_size: int,
-        out: torch.Tensor,
-        accumulate: bool = True,
-    ) -> None:
-        return None
+        return checks.sign_outputs(x, block_size)
 
     @torch.library.register_fake("commpress::qsgd_encode")
     def _qsgd_encode_fake(
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        bits: int,
-        levels: int,
-        bucket_size: int,
-        seed: int,
+        x: torch.Tensor, residual: torch.Tensor | None, bits: int, levels: int, bucket_size: int, seed: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        n = x.numel()
-        norms = x.new_empty(checks.n_blocks(n, bucket_size), dtype=accumulate_dtype(x.dtype))
-        return norms, x.new_empty(packed_nbytes(n, bits), dtype=torch.uint8)
-
-    @torch.library.register_fake("commpress::qsgd_decode")
-    def _qsgd_decode_fake(
-        norms: torch.Tensor,
-        packed: torch.Tensor,
-        bits: int,
-        levels: int,
-        bucket_size: int,
-        out: torch.Tensor,
-        accumulate: bool = True,
-    ) -> None:
-        return None
+        return checks.qsgd_outputs(x, bits, bucket_size)
 
     @torch.library.register_fake("commpress::topk_select")
     def _topk_fake(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         return x.new_empty(k, dtype=index_dtype(x.numel())), x.new_empty(k)
 
-    @torch.library.register_fake("commpress::sparse_scatter_add")
-    def _scatter_fake(
-        indices: list[torch.Tensor], values: list[torch.Tensor], out: torch.Tensor
-    ) -> None:
-        return None
-
     @torch.library.register_fake("commpress::randomk_gather")
     def _randomk_gather_fake(x: torch.Tensor, k: int, seed: int, scaled: bool) -> torch.Tensor:
         return x.new_empty(k)
 
-    @torch.library.register_fake("commpress::randomk_scatter_add")
-    def _randomk_scatter_fake(values: torch.Tensor, seed: int, out: torch.Tensor) -> None:
-        return None
+    def _writes_out_only(*args: Any) -> None:
+        return None  # these ops only write into the ``out`` they are given
+
+    for op in ("sign_decode", "qsgd_decode", "sparse_scatter_add", "randomk_scatter_add"):
+        torch.library.register_fake(f"commpress::{op}")(_writes_out_only)
 
 
 def _native(op: str, args: tuple[Any, ...]) -> Any:

@@ -69,13 +69,8 @@ std::tuple<at::Tensor, at::Tensor> qsgd_encode_cpu(const at::Tensor& x,
                                                    int64_t bits, int64_t levels,
                                                    int64_t bucket_size, int64_t seed) {
   static constexpr const char* op = "qsgd_encode";
-  check_vector(op, "x", x, c10::DeviceType::CPU);
-  const DType dtype = float_code(op, "x", x);
+  const auto [dtype, e] = check_encode_input(op, x, residual, c10::DeviceType::CPU);
   check_qsgd_params(op, bits, levels, bucket_size);
-  const at::Tensor* e = residual.has_value() ? &*residual : nullptr;
-  if (e != nullptr) {
-    check_residual(op, *e, x);
-  }
   const int64_t n = x.numel();
   const at::ScalarType ct = compute_type(x.scalar_type());
   const cpu::BlockLayout layout(n, bucket_size);
@@ -129,20 +124,9 @@ std::tuple<at::Tensor, at::Tensor> qsgd_encode_cpu(const at::Tensor& x,
 void qsgd_decode_cpu(const at::Tensor& norms, const at::Tensor& packed, int64_t bits,
                      int64_t levels, int64_t bucket_size, const at::Tensor& out,
                      bool accumulate) {
-  static constexpr const char* op = "qsgd_decode";
-  check_vector(op, "out", out, c10::DeviceType::CPU);
-  const DType dtype = float_code(op, "out", out);
-  check_qsgd_params(op, bits, levels, bucket_size);
-  check_vector(op, "norms", norms, c10::DeviceType::CPU);
-  check_dtype(op, "norms", norms, compute_type(out.scalar_type()));
-  check_vector(op, "packed", packed, c10::DeviceType::CPU);
-  check_dtype(op, "packed", packed, at::kByte);
+  const DType dtype =
+      check_qsgd_decode(norms, packed, bits, levels, bucket_size, out, c10::DeviceType::CPU);
   const int64_t n = out.numel();
-  TORCH_CHECK(norms.numel() == n_blocks(n, bucket_size), op, ": norms has ", norms.numel(),
-              " elements, ", n, " outputs in buckets of ", bucket_size, " need ",
-              n_blocks(n, bucket_size));
-  TORCH_CHECK(packed.numel() == packed_nbytes(n, bits), op, ": packed has ", packed.numel(),
-              " bytes, ", n, " fields of bits=", bits, " need ", packed_nbytes(n, bits));
   if (n == 0) {
     return;
   }

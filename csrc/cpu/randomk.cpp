@@ -88,14 +88,9 @@ at::Tensor randomk_gather_cpu(const at::Tensor& x, int64_t k, int64_t seed, bool
 
 void randomk_scatter_add_cpu(const at::Tensor& values, int64_t seed, const at::Tensor& out) {
   static constexpr const char* op = "randomk_scatter_add";
-  check_vector(op, "out", out, c10::DeviceType::CPU);
-  float_code(op, "out", out);
-  check_vector(op, "values", values, c10::DeviceType::CPU);
-  TORCH_CHECK(values.scalar_type() == out.scalar_type(), op, ": values has dtype ",
-              values.scalar_type(), ", out has ", out.scalar_type());
+  check_randomk_scatter_add(values, out, c10::DeviceType::CPU);
   const int64_t n = out.numel();
   const int64_t k = values.numel();
-  check_strata(op, n, k);
   if (k == 0) {
     return;
   }

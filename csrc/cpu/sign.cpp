@@ -47,13 +47,8 @@ std::tuple<at::Tensor, at::Tensor> sign_encode_cpu(const at::Tensor& x,
                                                    const std::optional<at::Tensor>& residual,
                                                    int64_t block_size) {
   static constexpr const char* op = "sign_encode";
-  check_vector(op, "x", x, c10::DeviceType::CPU);
-  const DType dtype = float_code(op, "x", x);
+  const auto [dtype, e] = check_encode_input(op, x, residual, c10::DeviceType::CPU);
   check_block(op, "block_size", block_size, 0);
-  const at::Tensor* e = residual.has_value() ? &*residual : nullptr;
-  if (e != nullptr) {
-    check_residual(op, *e, x);
-  }
   const int64_t n = x.numel();
   const at::ScalarType ct = compute_type(x.scalar_type());
   const cpu::BlockLayout layout(n, block_size);
@@ -84,20 +79,9 @@ std::tuple<at::Tensor, at::Tensor> sign_encode_cpu(const at::Tensor& x,
 
 void sign_decode_cpu(const at::Tensor& scales, const at::Tensor& bits, int64_t block_size,
                      const at::Tensor& out, bool accumulate) {
-  static constexpr const char* op = "sign_decode";
-  check_vector(op, "out", out, c10::DeviceType::CPU);
-  const DType dtype = float_code(op, "out", out);
-  check_vector(op, "scales", scales, c10::DeviceType::CPU);
-  check_dtype(op, "scales", scales, compute_type(out.scalar_type()));
-  check_vector(op, "bits", bits, c10::DeviceType::CPU);
-  check_dtype(op, "bits", bits, at::kByte);
-  check_block(op, "block_size", block_size, 0);
+  const DType dtype = check_sign_decode(scales, bits, block_size, out, c10::DeviceType::CPU);
   const int64_t n = out.numel();
   const int64_t block = effective_block(n, block_size);
-  TORCH_CHECK(scales.numel() == n_blocks(n, block), op, ": scales has ", scales.numel(),
-              " elements, ", n, " outputs in blocks of ", block, " need ", n_blocks(n, block));
-  TORCH_CHECK(bits.numel() == packed_nbytes(n, 1), op, ": bits has ", bits.numel(),
-              " bytes, ", n, " outputs need ", packed_nbytes(n, 1));
   if (n == 0) {
     return;
   }

@@ -269,23 +269,11 @@ int64_t lower(const I* idx, int64_t k, int64_t value) {
 
 void sparse_scatter_add_cpu(at::TensorList indices, at::TensorList values, const at::Tensor& out) {
   static constexpr const char* op = "sparse_scatter_add";
-  check_vector(op, "out", out, c10::DeviceType::CPU);
-  float_code(op, "out", out);
-  TORCH_CHECK(indices.size() == values.size(), op, ": got ", indices.size(),
-              " index tensors but ", values.size(), " value tensors");
+  check_sparse_scatter_add(indices, values, out, c10::DeviceType::CPU);
   const int64_t n = out.numel();
   int64_t total = 0;
   for (size_t p = 0; p < indices.size(); ++p) {
     const at::Tensor& idx = indices[p];
-    const at::Tensor& val = values[p];
-    check_vector(op, "indices[p]", idx, c10::DeviceType::CPU);
-    check_vector(op, "values[p]", val, c10::DeviceType::CPU);
-    TORCH_CHECK(idx.scalar_type() == at::kInt || idx.scalar_type() == at::kLong, op,
-                ": indices[", p, "] must have dtype int32 or int64, got ", idx.scalar_type());
-    TORCH_CHECK(val.scalar_type() == out.scalar_type(), op, ": values[", p, "] has dtype ",
-                val.scalar_type(), ", out has ", out.scalar_type());
-    TORCH_CHECK(idx.numel() == val.numel(), op, ": indices[", p, "] has ", idx.numel(),
-                " elements, values[", p, "] has ", val.numel());
     // Every payload is validated before anything is written.
     if (idx.scalar_type() == at::kInt) {
       check_payload(op, static_cast<int64_t>(p), idx.const_data_ptr<int32_t>(), idx.numel(), n);

@@ -85,13 +85,8 @@ std::tuple<at::Tensor, at::Tensor> sign_encode_cuda(const at::Tensor& x,
                                                     const std::optional<at::Tensor>& residual,
                                                     int64_t block_size) {
   static constexpr const char* op = "sign_encode";
-  check_vector(op, "x", x, kCUDA);
-  const DType dtype = float_code(op, "x", x);
+  const auto [dtype, e] = check_encode_input(op, x, residual, kCUDA);
   check_block(op, "block_size", block_size, 0);
-  const at::Tensor* e = residual.has_value() ? &*residual : nullptr;
-  if (e != nullptr) {
-    check_residual(op, *e, x);
-  }
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t n = x.numel();
   const int64_t block = effective_block(n, block_size);
@@ -117,22 +112,9 @@ std::tuple<at::Tensor, at::Tensor> sign_encode_cuda(const at::Tensor& x,
 
 void sign_decode_cuda(const at::Tensor& scales, const at::Tensor& bits, int64_t block_size,
                       const at::Tensor& out, bool accumulate) {
-  static constexpr const char* op = "sign_decode";
-  check_vector(op, "out", out, kCUDA);
-  const DType dtype = float_code(op, "out", out);
-  check_vector(op, "scales", scales, kCUDA);
-  check_same_device(op, "scales", scales, out, "out");
-  check_dtype(op, "scales", scales, compute_type(out.scalar_type()));
-  check_vector(op, "bits", bits, kCUDA);
-  check_same_device(op, "bits", bits, out, "out");
-  check_dtype(op, "bits", bits, at::kByte);
-  check_block(op, "block_size", block_size, 0);
+  const DType dtype = check_sign_decode(scales, bits, block_size, out, kCUDA);
   const int64_t n = out.numel();
   const int64_t block = effective_block(n, block_size);
-  TORCH_CHECK(scales.numel() == n_blocks(n, block), op, ": scales has ", scales.numel(),
-              " elements, ", n, " outputs in blocks of ", block, " need ", n_blocks(n, block));
-  TORCH_CHECK(bits.numel() == packed_nbytes(n, 1), op, ": bits has ", bits.numel(),
-              " bytes, ", n, " outputs need ", packed_nbytes(n, 1));
   const c10::cuda::CUDAGuard guard(out.device());
   C10_CUDA_CHECK(commpress_sign_decode_cuda(scales.const_data_ptr(),
                                             bits.const_data_ptr<uint8_t>(), n, block, dtype,
@@ -146,13 +128,8 @@ std::tuple<at::Tensor, at::Tensor> qsgd_encode_cuda(const at::Tensor& x,
                                                     int64_t bits, int64_t levels,
                                                     int64_t bucket_size, int64_t seed) {
   static constexpr const char* op = "qsgd_encode";
-  check_vector(op, "x", x, kCUDA);
-  const DType dtype = float_code(op, "x", x);
+  const auto [dtype, e] = check_encode_input(op, x, residual, kCUDA);
   check_qsgd_params(op, bits, levels, bucket_size);
-  const at::Tensor* e = residual.has_value() ? &*residual : nullptr;
-  if (e != nullptr) {
-    check_residual(op, *e, x);
-  }
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t n = x.numel();
   const at::ScalarType ct = compute_type(x.scalar_type());
@@ -185,22 +162,8 @@ std::tuple<at::Tensor, at::Tensor> qsgd_encode_cuda(const at::Tensor& x,
 void qsgd_decode_cuda(const at::Tensor& norms, const at::Tensor& packed, int64_t bits,
                       int64_t levels, int64_t bucket_size, const at::Tensor& out,
                       bool accumulate) {
-  static constexpr const char* op = "qsgd_decode";
-  check_vector(op, "out", out, kCUDA);
-  const DType dtype = float_code(op, "out", out);
-  check_qsgd_params(op, bits, levels, bucket_size);
-  check_vector(op, "norms", norms, kCUDA);
-  check_same_device(op, "norms", norms, out, "out");
-  check_dtype(op, "norms", norms, compute_type(out.scalar_type()));
-  check_vector(op, "packed", packed, kCUDA);
-  check_same_device(op, "packed", packed, out, "out");
-  check_dtype(op, "packed", packed, at::kByte);
+  const DType dtype = check_qsgd_decode(norms, packed, bits, levels, bucket_size, out, kCUDA);
   const int64_t n = out.numel();
-  TORCH_CHECK(norms.numel() == n_blocks(n, bucket_size), op, ": norms has ", norms.numel(),
-              " elements, ", n, " outputs in buckets of ", bucket_size, " need ",
-              n_blocks(n, bucket_size));
-  TORCH_CHECK(packed.numel() == packed_nbytes(n, bits), op, ": packed has ", packed.numel(),
-              " bytes, ", n, " fields of bits=", bits, " need ", packed_nbytes(n, bits));
   const c10::cuda::CUDAGuard guard(out.device());
   C10_CUDA_CHECK(commpress_qsgd_decode_cuda(
       norms.const_data_ptr(), packed.const_data_ptr<uint8_t>(), n, static_cast<int>(bits),
@@ -236,25 +199,8 @@ std::tuple<at::Tensor, at::Tensor> topk_select_cuda(const at::Tensor& x, int64_t
 void sparse_scatter_add_cuda(at::TensorList indices, at::TensorList values,
                              const at::Tensor& out) {
   static constexpr const char* op = "sparse_scatter_add";
-  check_vector(op, "out", out, kCUDA);
-  const DType dtype = float_code(op, "out", out);
-  TORCH_CHECK(indices.size() == values.size(), op, ": got ", indices.size(),
-              " index tensors but ", values.size(), " value tensors");
+  const DType dtype = check_sparse_scatter_add(indices, values, out, kCUDA);
   const int64_t n = out.numel();
-  for (size_t p = 0; p < indices.size(); ++p) {
-    const at::Tensor& idx = indices[p];
-    const at::Tensor& val = values[p];
-    check_vector(op, "indices[p]", idx, kCUDA);
-    check_vector(op, "values[p]", val, kCUDA);
-    check_same_device(op, "indices[p]", idx, out, "out");
-    check_same_device(op, "values[p]", val, out, "out");
-    TORCH_CHECK(idx.scalar_type() == at::kInt || idx.scalar_type() == at::kLong, op,
-                ": indices[", p, "] must have dtype int32 or int64, got ", idx.scalar_type());
-    TORCH_CHECK(val.scalar_type() == out.scalar_type(), op, ": values[", p, "] has dtype ",
-                val.scalar_type(), ", out has ", out.scalar_type());
-    TORCH_CHECK(idx.numel() == val.numel(), op, ": indices[", p, "] has ", idx.numel(),
-                " elements, values[", p, "] has ", val.numel());
-  }
   if (indices.empty()) {
     return;
   }
@@ -309,16 +255,9 @@ at::Tensor randomk_gather_cuda(const at::Tensor& x, int64_t k, int64_t seed, boo
 }
 
 void randomk_scatter_add_cuda(const at::Tensor& values, int64_t seed, const at::Tensor& out) {
-  static constexpr const char* op = "randomk_scatter_add";
-  check_vector(op, "out", out, kCUDA);
-  const DType dtype = float_code(op, "out", out);
-  check_vector(op, "values", values, kCUDA);
-  check_same_device(op, "values", values, out, "out");
-  TORCH_CHECK(values.scalar_type() == out.scalar_type(), op, ": values has dtype ",
-              values.scalar_type(), ", out has ", out.scalar_type());
+  const DType dtype = check_randomk_scatter_add(values, out, kCUDA);
   const int64_t n = out.numel();
   const int64_t k = values.numel();
-  check_strata(op, n, k);
   const c10::cuda::CUDAGuard guard(out.device());
   C10_CUDA_CHECK(commpress_randomk_scatter_add_cuda(values.const_data_ptr(), dtype, k, n,
                                                     seed_bits(seed), out.data_ptr(), stream()));

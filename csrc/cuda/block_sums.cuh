@@ -155,6 +155,24 @@ cudaError_t launch_block_reduce(const T* x, const typename Elem<T>::compute* e,
   *result = in;
   return err;
 }
+
+// The launch of a block codec's decode (one thread per output, whole warps per 32 outputs):
+// checks n and block, then calls launch(T{}, layout, grid) with T the storage type of `dtype`.
+template <class F>
+cudaError_t launch_block_decode(int64_t n, int64_t block, int dtype, F&& launch) {
+  if (n < 0 || block < 1) {
+    return cudaErrorInvalidValue;
+  }
+  if (n == 0) {
+    return cudaSuccess;
+  }
+  const Layout l = make_layout(n, block);
+  const int grid = blocks_for(((n + kWarp - 1) / kWarp) * kWarp);
+  return dispatch_dtype(dtype, [&](auto tag) {
+    launch(tag, l, grid);
+    return cudaGetLastError();
+  });
+}
 #endif  // __CUDACC_RTC__
 
 // Index of the block holding element `first` of this warp's 32 (one division per warp), then

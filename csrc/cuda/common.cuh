@@ -21,26 +21,6 @@ inline int blocks_for(int64_t items, int threads = kThreads) {
 }
 #endif  // __CUDACC_RTC__
 
-// Device storage of each dtype code (the 16-bit formats as raw bits, see hd.h).
-template <int Code>
-struct StorageOf;
-template <>
-struct StorageOf<kF32> {
-  using type = float;
-};
-template <>
-struct StorageOf<kF16> {
-  using type = Half;
-};
-template <>
-struct StorageOf<kBF16> {
-  using type = BFloat16;
-};
-template <>
-struct StorageOf<kF64> {
-  using type = double;
-};
-
 #ifndef __CUDACC_RTC__  // host code: not for NVRTC (the CuPy backend launches the kernels)
 // Calls f(T{}) with T the storage type of `dtype`; returns cudaErrorInvalidValue if unknown.
 template <class F>

@@ -206,15 +206,10 @@ cudaError_t commpress_qsgd_decode_cuda(const void* norms, const uint8_t* packed,
                                        int bits, int levels, int64_t bucket, int dtype,
                                        void* out, int accumulate, cudaStream_t stream) {
   using namespace commpress::cuda;
-  if (n < 0 || bucket < 1 || (bits != 2 && bits != 4 && bits != 8) || levels < 1) {
+  if ((bits != 2 && bits != 4 && bits != 8) || levels < 1) {
     return cudaErrorInvalidValue;
   }
-  if (n == 0) {
-    return cudaSuccess;
-  }
-  const Layout l = make_layout(n, bucket);
-  const int grid = blocks_for(((n + kWarp - 1) / kWarp) * kWarp);
-  return dispatch_dtype(dtype, [&](auto tag) {
+  return launch_block_decode(n, bucket, dtype, [&](auto tag, const Layout& l, int grid) {
     using T = decltype(tag);
     using CT = typename commpress::Elem<T>::compute;
     const CT* nm = static_cast<const CT*>(norms);
@@ -232,7 +227,6 @@ cudaError_t commpress_qsgd_decode_cuda(const void* norms, const uint8_t* packed,
     } else {
       launch(std::false_type{});
     }
-    return cudaGetLastError();
   });
 }
 

@@ -145,15 +145,7 @@ cudaError_t commpress_sign_decode_cuda(const void* scales, const uint8_t* bits, 
                                        int64_t block, int dtype, void* out, int accumulate,
                                        cudaStream_t stream) {
   using namespace commpress::cuda;
-  if (n < 0 || block < 1) {
-    return cudaErrorInvalidValue;
-  }
-  if (n == 0) {
-    return cudaSuccess;
-  }
-  const Layout l = make_layout(n, block);
-  const int grid = blocks_for(((n + kWarp - 1) / kWarp) * kWarp);
-  return dispatch_dtype(dtype, [&](auto tag) {
+  return launch_block_decode(n, block, dtype, [&](auto tag, const Layout& l, int grid) {
     using T = decltype(tag);
     using CT = typename commpress::Elem<T>::compute;
     const CT* s = static_cast<const CT*>(scales);
@@ -163,7 +155,6 @@ cudaError_t commpress_sign_decode_cuda(const void* scales, const uint8_t* bits, 
     } else {
       sign_decode_kernel<T, false><<<grid, kThreads, 0, stream>>>(s, bits, l, o);
     }
-    return cudaGetLastError();
   });
 }
 

@@ -24,52 +24,45 @@ namespace commpress {
 // dtype codes of the C launchers (csrc/cuda/*.cu) and the CPU kernel tables.
 enum DType : int { kF32 = 0, kF16 = 1, kBF16 = 2, kF64 = 3 };
 
-COMMPRESS_HD uint32_t float_bits(float f) {
+// `device` in device code, `host` elsewhere: the intrinsics below exist only on the device.
 #if defined(__CUDA_ARCH__)
-  return __float_as_uint(f);
+#define COMMPRESS_DEVICE_OR_HOST(device, host) (device)
 #else
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  return u;
+#define COMMPRESS_DEVICE_OR_HOST(device, host) (host)
 #endif
+
+#if !defined(__CUDA_ARCH__)  // host only (NVRTC compiles no host functions)
+// The bits of `from` as a `To` (memcpy: the defined way before C++20 bit_cast).
+template <typename To, typename From>
+inline To host_bit_cast(From from) {
+  static_assert(sizeof(To) == sizeof(From), "bit casts keep the size");
+  To to;
+  std::memcpy(&to, &from, sizeof(to));
+  return to;
+}
+#endif
+
+COMMPRESS_HD uint32_t float_bits(float f) {
+  return COMMPRESS_DEVICE_OR_HOST(__float_as_uint(f), host_bit_cast<uint32_t>(f));
 }
 
 COMMPRESS_HD float bits_float(uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-#endif
+  return COMMPRESS_DEVICE_OR_HOST(__uint_as_float(u), host_bit_cast<float>(u));
 }
 
 COMMPRESS_HD uint64_t double_bits(double d) {
-#if defined(__CUDA_ARCH__)
-  return static_cast<uint64_t>(__double_as_longlong(d));
-#else
-  uint64_t u;
-  std::memcpy(&u, &d, sizeof(u));
-  return u;
-#endif
+  return COMMPRESS_DEVICE_OR_HOST(static_cast<uint64_t>(__double_as_longlong(d)),
+                                  host_bit_cast<uint64_t>(d));
 }
 
 // Products that must not be fused into a following add/sub (nvcc contracts a * b + c into an
 // FMA by default; the CPU build passes -ffp-contract=off): the codecs' reference rounds each.
 COMMPRESS_HD float mul_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fmul_rn(a, b);
-#else
-  return a * b;
-#endif
+  return COMMPRESS_DEVICE_OR_HOST(__fmul_rn(a, b), a * b);
 }
 
 COMMPRESS_HD double mul_rn(double a, double b) {
-#if defined(__CUDA_ARCH__)
-  return __dmul_rn(a, b);
-#else
-  return a * b;
-#endif
+  return COMMPRESS_DEVICE_OR_HOST(__dmul_rn(a, b), a * b);
 }
 
 // Storage types of the 16-bit formats: the raw bits, like c10::Half / c10::BFloat16.
