@@ -323,8 +323,9 @@ class Codec(ABC):
         self._subtract_decoded(packet, corrected)
         return packet, corrected
 
-    #: Decoding touches only the entries a ``values`` section carries (top-k, random-k).
-    _sparse_decode: ClassVar[bool] = False
+    #: Sends a subset of the entries (top-k, random-k): decoding touches only the entries a
+    #: ``values`` section carries, and the residual is exactly zero where a value was sent.
+    sparse: ClassVar[bool] = False
 
     def _subtract_decoded(self, packet: Packet, corrected: torch.Tensor) -> None:
         """``corrected -= decode(packet)`` in ``corrected``'s dtype: the residual update.
@@ -332,7 +333,7 @@ class Codec(ABC):
         Sparse codecs subtract only the entries they sent (adding the negated values, which is
         the same IEEE operation), instead of decoding a dense, mostly-zero tensor first.
         """
-        if not self._sparse_decode:
+        if not self.sparse:
             corrected.sub_(self.decode(packet).view(corrected.shape).to(corrected.dtype))
             return
         values = packet.sections["values"].neg().to(corrected.dtype)

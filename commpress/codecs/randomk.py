@@ -138,7 +138,7 @@ class RandomKCodec(Codec):
         k, scaled = params
         return {"values": ops.randomk_gather(flat, k, seed, bool(scaled))}
 
-    _sparse_decode = True
+    sparse = True
 
     def _decode_add(self, packet: Packet, out: torch.Tensor) -> None:
         ops.randomk_scatter_add(packet.sections["values"].to(out.dtype), packet.seed, out)

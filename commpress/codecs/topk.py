@@ -92,7 +92,7 @@ class TopKCodec(Codec):
         indices, values = ops.topk_select(flat, params[0])
         return {"indices": indices, "values": values}
 
-    _sparse_decode = True
+    sparse = True
 
     def _decode_add(self, packet: Packet, out: torch.Tensor) -> None:
         ops.sparse_scatter_add([packet.sections["indices"]], [packet.sections["values"]], out)
