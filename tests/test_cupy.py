@@ -109,6 +109,41 @@ def test_launch_parameters_come_from_the_cuda_header() -> None:
     assert "kThreads = 256" in header
 
 
+def test_grid_and_scratch_functions_evaluate_as_the_compiler_does() -> None:
+    """The header's static_asserts (checked by nvcc/NVRTC) hold for the Python evaluation too."""
+    p = cupy_cuda.launch_params()
+    header = (cupy_cuda.CSRC / "cuda" / "launch_params.h").read_text()
+    asserts = re.findall(r"static_assert\((.*?),\s*\"", header, re.S)
+    assert len(asserts) >= 4
+    env = vars(p)
+    for expr in asserts:
+        py = re.sub(r"(\d+)LL\b", r"\1", " ".join(expr.split())).replace("&&", " and ")
+        assert eval(py, {"__builtins__": {}}, env), expr
+    # the functions are the launchers' formulas, not copies of them
+    for fn in ("grid_items", "grid_warps", "grid_words", "grid_histogram", "grid_count"):
+        assert callable(getattr(p, fn))
+    for n in (1, 31, 32, 33, 1000, 1 << 20, 1 << 33):
+        assert p.grid_items(n) == max(1, min(-(-n // 256), 1 << 16))
+        assert p.grid_words(n) == p.grid_items(-(-n // 32) * 32)
+        assert p.grid_count(n) == min(n // 256 + 1, 1024)
+    for nblocks, per in ((1, 1), (3, 2000), (7, 33), (2, 1 << 20)):
+        total, level = 0, per
+        while True:  # block_sums.cuh's levels
+            total += nblocks * level
+            if level == 1:
+                break
+            level = -(-level // 32)
+        assert p.reduce_scratch(nblocks, per) == total
+        assert p.encode_scratch(nblocks, per) == 2 * total + 2
+    assert p.domains["B"] == ["2", "4", "8"] and p.domains["P"] == ["1", "2", "4", "8"]
+    assert p.kQsgdWidths == (2, 4, 8)
+    assert p.domains["T"] == ["float", "commpress::Half", "commpress::BFloat16", "double"]
+    with pytest.raises(ValueError, match="one top-level"):
+        cupy_cuda._function("f", "int64_t a", "a ? 1 : a ? 2 : 3", {})
+    with pytest.raises(ValueError, match="int64_t arguments"):
+        cupy_cuda._function("f", "int a", "a", {})
+
+
 def test_import_does_not_load_cupy_or_cuda() -> None:
     code = (
         "import sys, commpress, commpress.kernels.ops, commpress.kernels.cupy_cuda\n"

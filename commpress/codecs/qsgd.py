@@ -41,6 +41,7 @@ from ..bitpack import pack_bits_reference, packed_nbytes, padding_is_zero, unpac
 from ..errors import CodecError, WireError
 from ..kernels import ops
 from ..wire.packet import Packet, Section
+from ._blocks import add_block_values
 from .base import (
     Codec,
     NonFiniteError,
@@ -268,12 +269,9 @@ def decode_reference(
 
     Without ``accumulate`` the result is what adding to zeros gives (a -0 becomes +0).
     """
-    numel = out.numel()
-    if not accumulate:
-        out.zero_()
-    if numel == 0:
-        return
-    ct = compute_dtype(out.dtype)
-    q = unpack_bits_reference(packed, bits, numel).to(ct) - s
-    per_element = norms.to(ct).repeat_interleave(bucket)[:numel]
-    out.add_((per_element * (q / s)).to(out.dtype))
+
+    def scaled(norm: torch.Tensor, numel: int, ct: torch.dtype) -> torch.Tensor:
+        q = unpack_bits_reference(packed, bits, numel).to(ct) - s
+        return norm * (q / s)
+
+    add_block_values(out, norms, bucket, accumulate, scaled)

@@ -29,6 +29,7 @@ from ..bitpack import pack_bits_reference, packed_nbytes, padding_is_zero, unpac
 from ..errors import CodecError, WireError
 from ..kernels import ops
 from ..wire.packet import Packet, Section
+from ._blocks import add_block_values
 from .base import (
     Codec,
     NonFiniteError,
@@ -168,11 +169,9 @@ def decode_reference(
 
     Without ``accumulate`` the result is what adding to zeros gives (a -0 becomes +0).
     """
-    numel = out.numel()
-    if not accumulate:
-        out.zero_()
-    if numel == 0:
-        return
-    negative = unpack_bits_reference(bits, 1, numel).bool()
-    per_element = scales.to(compute_dtype(out.dtype)).repeat_interleave(block_size or numel)[:numel]
-    out.add_(torch.where(negative, -per_element, per_element).to(out.dtype))
+
+    def signed(scale: torch.Tensor, numel: int, ct: torch.dtype) -> torch.Tensor:
+        negative = unpack_bits_reference(bits, 1, numel).bool()
+        return torch.where(negative, -scale, scale)
+
+    add_block_values(out, scales, block_size or out.numel(), accumulate, signed)

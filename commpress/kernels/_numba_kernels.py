@@ -131,6 +131,19 @@ def _tree_sum(x, e, has_e, mode, start, stop, kind, scale, buf, chunks):
     return chunks[0], finite
 
 
+@njit(cache=True)
+def _sum_scratch(block):
+    """The buffers _tree_sum needs for blocks of up to ``block`` elements: (chunk, chunk sums)."""
+    return np.empty(_SUM_CHUNK), np.empty(max(1, (block + _SUM_CHUNK - 1) // _SUM_CHUNK))
+
+
+@njit(cache=True)
+def _block_range(b, block, n):
+    """[start, end) of block b of n elements in blocks of ``block``."""
+    start = b * block
+    return start, min(n, start + block)
+
+
 # ----- bit packing -------------------------------------------------------------------------------
 @njit(cache=True)
 def pack(fields, bits, packed):
@@ -168,12 +181,10 @@ def sign_encode(x, e, has_e, mode, block, scales, bits):
     Two passes like the native kernel: block sums, then bits and residual together.
     """
     n = x.size
-    buf = np.empty(_SUM_CHUNK)
-    chunks = np.empty(max(1, (block + _SUM_CHUNK - 1) // _SUM_CHUNK))
+    buf, chunks = _sum_scratch(block)
     finite = True
     for b in range(scales.size):
-        s0 = b * block
-        s1 = min(n, s0 + block)
+        s0, s1 = _block_range(b, block, n)
         total, ok = _tree_sum(x, e, has_e, mode, s0, s1, _ABS, 1.0, buf, chunks)
         finite &= ok
         scales[b] = total / np.float64(s1 - s0)
@@ -235,12 +246,10 @@ def _level_values(bits, s, like):
 def qsgd_encode(x, e, has_e, mode, wide, bits, s, bucket, key, limit, norms, packed):
     """Norms, packed levels and (with has_e) the new residual; returns a status. wide: float64."""
     n = x.size
-    buf = np.empty(_SUM_CHUNK)
-    chunks = np.empty(max(1, (bucket + _SUM_CHUNK - 1) // _SUM_CHUNK))
+    buf, chunks = _sum_scratch(bucket)
     finite = True
     for b in range(norms.size):
-        s0 = b * bucket
-        s1 = min(n, s0 + bucket)
+        s0, s1 = _block_range(b, bucket, n)
         if wide:  # divide by the max magnitude first: float64 squares can overflow
             amax = 0.0
             for i in range(s0, s1):

@@ -13,17 +13,27 @@ How it maps onto the native build:
   kernels are templates: every instantiation the launchers use is an NVRTC name expression
   in the table of ``csrc/cuda/launch_params.h`` (:func:`launch_params`), looked up by its
   lowered name.
-* **Launch parameters** (threads, grid caps, reduction kinds, flag bits, scratch layouts) are
-  read from that same header, which the C launchers include: nothing here restates them.
+* **Launch parameters** come from that same header, which the C launchers include:
+  threads, grid caps, reduction kinds, flag bits, the top-k scratch layout, the template
+  domains the launchers dispatch over (storage types, pack and QSGD widths), and every grid
+  and scratch size as a ``constexpr`` function (``grid_items``, ``grid_words``,
+  ``grid_count``, ``reduce_scratch``, ``encode_scratch``, ...). The C launchers call those
+  functions; :func:`launch_params` evaluates the very same text (a small checked subset of C
+  integer arithmetic), and the header's ``static_assert`` values pin both evaluations. A
+  change of geometry is one edit in ``launch_params.h``.
 * **Compiler options** are nvcc's defaults spelled out (``-ftz=false -prec-div=true
   -prec-sqrt=true -fmad=true``): results must not depend on the compiler. That is also why
   this module calls NVRTC itself (:func:`compile_unit`) and loads the binary with
   ``cupy.RawModule(path=...)`` instead of ``RawModule(code=...)``: CuPy appends ``-ftz=true``
   to every source it compiles, which would flush float32 subnormals to zero.
-* **Launches** follow the C launchers (``csrc/cuda/*.cu``, ``extern "C"``) step by step:
-  same kernels, grid formulas, scratch layout and flag words, on torch's current stream. Outputs and
-  scratch are torch tensors (torch's caching allocator); kernels get raw device pointers, so
-  float16/bfloat16 tensors need no CuPy dtype (CuPy has no bfloat16).
+* **Launches** follow the C launchers (``csrc/cuda/*.cu``, ``extern "C"``) step by step: the
+  same kernels in the same order with the same grid functions, scratch offsets and flag words,
+  on torch's current stream. What is written on both sides is only that sequence of calls
+  with each kernel's arguments -- a language binding, which ``tests/test_cupy.py`` records and
+  checks against the compiled PTX (every launched kernel compiled, every compiled kernel
+  launched, every argument of the declared size). Outputs and scratch are torch tensors
+  (torch's caching allocator); kernels get raw device pointers, so float16/bfloat16 tensors
+  need no CuPy dtype (CuPy has no bfloat16).
 * **Errors**: arguments arrive validated (:mod:`commpress.kernels.ops` runs the op's check in
   :mod:`.checks` before any backend; call these only through it). Data errors (NaN/Inf, an
   overflowing scale, a bad index) come back through the flag words of the launchers and raise
@@ -76,10 +86,18 @@ _LAYOUT = np.dtype([("n", "<i8"), ("block", "<i8"), ("nblocks", "<i8"), ("groups
 
 # ----- csrc/cuda/launch_params.h -------------------------------------------------------------------
 _CONSTEXPR = re.compile(r"constexpr\s+[\w:]+\s+(k\w+)\s*=\s*([^;{]+);")
+_INT_LIST = re.compile(r"constexpr\s+int\s+(k\w+)\[\]\s*=\s*\{([^}]*)\};")
+_FUNCTION = re.compile(
+    r"COMMPRESS_LAUNCH_FN\s+constexpr\s+int64_t\s+(\w+)\(([^)]*)\)\s*\{\s*return\s+([^;]+);\s*\}", re.S
+)
+_TYPE_LIST = re.compile(r"#define\s+(COMMPRESS_\w+)\(X\)\s*((?:\\\n|[^\n])*)")
 _ENUM = re.compile(r"enum\s+\w+\s*:\s*int\s*\{([^}]*)\}")
 _TABLE = re.compile(r"constexpr\s+const\s+char\s*\*\s*(k\w+)\[\]\s*=\s*\{(.*?)\};", re.S)
 _ARITH = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Constant, ast.Name, ast.Load, ast.Add,
           ast.Sub, ast.Mult, ast.FloorDiv, ast.LShift, ast.USub)
+# in a function body besides: calls of earlier functions and one `cond ? a : b`
+_BODY = (*_ARITH, ast.Call, ast.IfExp, ast.Compare, ast.Lt, ast.Gt, ast.LtE, ast.GtE, ast.Eq,
+         ast.NotEq)
 
 
 def _eval_int(expr: str, known: dict[str, int]) -> int:
@@ -93,28 +111,85 @@ def _eval_int(expr: str, known: dict[str, int]) -> int:
     return int(eval(compile(tree, "launch_params.h", "eval"), {"__builtins__": {}}, dict(known)))
 
 
+def _function(name: str, params: str, body: str, scope: dict[str, Any]) -> Any:
+    """A ``constexpr int64_t name(int64_t a, ...) { return body; }`` of the header, in Python.
+
+    The body is C integer arithmetic on non-negative values (``/`` truncates: ``//`` here) with
+    at most one top-level ``cond ? a : b``; names are the parameters, earlier constants and
+    functions, and ``name`` itself (recursion).
+    """
+    args = [p.split()[-1] for p in params.split(",") if p.strip()]
+    if any(p.split()[0] != "int64_t" for p in params.split(",") if p.strip()):
+        raise ValueError(f"launch_params.h: {name} must take int64_t arguments only")
+    expr = " ".join(body.split()).replace("/", "//")
+    cond, q, rest = expr.partition("?")
+    if q:
+        then, colon, other = rest.partition(":")
+        if not colon or ":" in other or "?" in other:
+            raise ValueError(f"launch_params.h: {name}: one top-level `c ? a : b` at most")
+        expr = f"({then}) if ({cond}) else ({other})"
+    tree = ast.parse(expr, mode="eval")
+    known = {*args, *scope, name}
+    for node in ast.walk(tree):
+        if not isinstance(node, _BODY) or (isinstance(node, ast.Constant) and type(node.value) is not int):
+            raise ValueError(f"launch_params.h: unsupported expression in {name}: {body!r}")
+        if isinstance(node, ast.Name) and node.id not in known:
+            raise ValueError(f"launch_params.h: {node.id} used before it is defined in {name}")
+    source = f"lambda {', '.join(args)}: {ast.unparse(tree)}"
+    env = {"__builtins__": {}, **scope}
+    fn = eval(compile(source, "launch_params.h", "eval"), env)
+    env[name] = fn  # recursion
+    return fn
+
+
 @lru_cache(maxsize=1)
 def launch_params() -> SimpleNamespace:
-    """The constants, enumerators and kernel table of ``csrc/cuda/launch_params.h``.
+    """The constants, functions, domains and kernel table of ``csrc/cuda/launch_params.h``.
 
-    Attributes: every ``constexpr`` integer and enumerator by its C++ name (``kThreads``,
-    ``kFlagNonFinite``, ...), and ``kernels``: unit -> NVRTC name expressions, the table's
-    ``{X}`` placeholders expanded over ``kNameDomains``. Read once, on first use; needs no GPU.
+    Attributes: every ``constexpr`` integer, integer list and enumerator by its C++ name
+    (``kThreads``, ``kQsgdWidths``, ``kFlagNonFinite``, ...); every ``constexpr int64_t``
+    function by its name (``grid_items``, ``reduce_scratch``, ...) as a Python function of
+    ints, evaluating the very text the C launchers compile; and ``kernels``: unit -> NVRTC name
+    expressions, the table's ``{X}`` placeholders expanded over ``kNameDomains``. Read once,
+    on first use; needs no GPU.
     """
-    text = re.sub(r"//[^\n]*", "", (CSRC / "cuda" / "launch_params.h").read_text(encoding="utf-8"))
-    values: dict[str, int] = {}
-    for name, expr in _CONSTEXPR.findall(text):
-        values[name] = _eval_int(expr.strip(), values)
-    for body in _ENUM.findall(text):
-        for item in body.split(","):
-            if item.strip():
-                name, expr = (part.strip() for part in item.split("="))
-                values[name] = _eval_int(expr, values)
+    raw = (CSRC / "cuda" / "launch_params.h").read_text(encoding="utf-8")
+    text = re.sub(r"//[^\n]*", "", raw)
+    # declarations in source order: a function may use any constant or function above it
+    decls = sorted(
+        [(m.start(), "const", m) for m in _CONSTEXPR.finditer(text)]
+        + [(m.start(), "list", m) for m in _INT_LIST.finditer(text)]
+        + [(m.start(), "fn", m) for m in _FUNCTION.finditer(text)]
+        + [(m.start(), "enum", m) for m in _ENUM.finditer(text)],
+        key=lambda d: d[0],
+    )
+    values: dict[str, Any] = {}
+    for _, kind, m in decls:
+        if kind == "const":
+            values[m.group(1)] = _eval_int(m.group(2).strip(), values)
+        elif kind == "list":
+            values[m.group(1)] = tuple(_eval_int(v.strip(), values) for v in m.group(2).split(","))
+        elif kind == "fn":
+            values[m.group(1)] = _function(m.group(1), m.group(2), m.group(3), values)
+        else:
+            for item in m.group(1).split(","):
+                if item.strip():
+                    name, expr = (part.strip() for part in item.split("="))
+                    values[name] = _eval_int(expr, values)
+    type_lists = {
+        name: [args.split(",")[-1].strip() for args in re.findall(r"X\(([^)]*)\)", body)]
+        for name, body in _TYPE_LIST.findall(raw)
+    }
     tables = {name: re.findall(r'"([^"]*)"', body) for name, body in _TABLE.findall(text)}
-    domains = {}
+    domains: dict[str, list[str]] = {}
     for entry in tables["kNameDomains"]:
-        key, _, vals = entry.partition("=")
-        domains[key.strip()] = [v.strip() for v in vals.split(",")]
+        key, _, spec = (part.strip() for part in entry.partition("="))
+        if spec in type_lists:
+            domains[key] = type_lists[spec]
+        elif isinstance(values.get(spec), tuple):
+            domains[key] = [str(v) for v in values[spec]]
+        else:
+            domains[key] = [v.strip() for v in spec.split(",")]
     kernels: dict[str, list[str]] = {}
     for entry in tables["kKernelNames"]:
         unit, _, expr = (part.strip() for part in entry.partition(":"))
@@ -124,7 +199,7 @@ def launch_params() -> SimpleNamespace:
             for key, value in zip(keys, combo):
                 name = name.replace("{" + key + "}", value)
             kernels.setdefault(unit, []).append(name)
-    return SimpleNamespace(**values, kernels=kernels)
+    return SimpleNamespace(**values, domains=domains, kernels=kernels)
 
 
 def _kernel_names(unit: str) -> list[str]:
@@ -297,29 +372,13 @@ def _p() -> SimpleNamespace:
     return launch_params()
 
 
-def _blocks_for(items: int) -> int:
-    """common.cuh blocks_for."""
-    blocks = -(-items // _p().kThreads)
-    return max(1, min(blocks, _p().kMaxBlocks))
-
-
 def _layout(n: int, block: int) -> tuple[np.void, int, int]:
     """(Layout struct, nblocks, groups_per_block) of block_sums.cuh make_layout."""
     block = checks.effective_block(n, block)
     nblocks = checks.n_blocks(n, block)
-    groups = -(-block // _p().kGroupElems)
+    groups = _p().groups_per_block(block)
     struct: np.void = np.array([(n, block, nblocks, groups)], dtype=_LAYOUT)[0]
     return struct, nblocks, groups
-
-
-def _reduce_scratch(nblocks: int, groups: int) -> int:
-    """block_sums.cuh reduce_scratch: doubles for every level's per-block values."""
-    total, per = 0, groups
-    while True:
-        total += nblocks * per
-        if per == 1:
-            return total
-        per = -(-per // _p().kWarp)
 
 
 def _block_reduce(
@@ -339,7 +398,7 @@ def _block_reduce(
     amax = _ptr(scratch, 8 * amax_off) if amax_off is not None else np.uint64(0)
     launch(
         f"{_NS}group_sums_kernel<{_NS}{kind}, {t}, {has_e}>",
-        _blocks_for(nblocks * groups * _p().kWarp),
+        _p().grid_warps(nblocks * groups),
         _p().kThreads,
         _ptr(x),
         _ptr(e),
@@ -351,11 +410,11 @@ def _block_reduce(
     level = _BOOLS[kind == "kMaxAbs"]
     src, per = base, groups
     while per > 1:
-        per_out = -(-per // _p().kWarp)
+        per_out = _p().ceil_div(per, _p().kWarp)
         dst = src + nblocks * per
         launch(
             f"commpress::cuda::tree_level_kernel<{level}>",
-            _blocks_for(nblocks * per_out * _p().kWarp),
+            _p().grid_warps(nblocks * per_out),
             _p().kThreads,
             _ptr(scratch, 8 * src),
             np.int64(per),
@@ -383,7 +442,7 @@ def pack_bits(fields: torch.Tensor, bits: int) -> torch.Tensor:
     launch = _Launcher("bitpack", fields.device)
     launch(
         f"commpress::pack_kernel<{bits}>",
-        min(-(-nbytes // _p().kThreads), _p().kMaxBlocks),
+        _p().grid_items(nbytes),
         _p().kThreads,
         _ptr(fields),
         np.int64(n),
@@ -403,7 +462,7 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     if n:
         _Launcher("bitpack", packed.device)(
             f"commpress::unpack_kernel<{bits}>",
-            min(-(-n // _p().kThreads), _p().kMaxBlocks),
+            _p().grid_items(n),
             _p().kThreads,
             _ptr(packed),
             np.int64(n),
@@ -426,17 +485,15 @@ def sign_encode(
         return scales, bits
     layout = _layout(n, block)
     struct, nblocks, groups = layout
-    reductions = _p().kReductions  # the launcher's scratch: commpress_reduce_scratch_cuda
-    scratch = torch.empty(
-        reductions * _reduce_scratch(nblocks, groups) + reductions, dtype=torch.float64, device=x.device
-    )
+    # the launcher's scratch: commpress_reduce_scratch_cuda
+    scratch = torch.empty(_p().encode_scratch(nblocks, groups), dtype=torch.float64, device=x.device)
     flags = torch.zeros(1, dtype=torch.int32, device=x.device)
     launch = _Launcher("sign", x.device)
     t, has_e = _CTYPE[x.dtype], _BOOLS[residual is not None]
     sums = _block_reduce(launch, "kSumAbs", x, residual, None, layout, scratch, 0, flags)
     launch(
         f"commpress::cuda::sign_finalize_kernel<{t}>",
-        _blocks_for(nblocks),
+        _p().grid_items(nblocks),
         _p().kThreads,
         _ptr(scratch, 8 * sums),
         struct,
@@ -445,7 +502,7 @@ def sign_encode(
     )
     launch(
         f"commpress::cuda::sign_encode_kernel<{t}, {has_e}>",
-        _blocks_for(-(-n // _p().kWarp) * _p().kWarp),
+        _p().grid_words(n),
         _p().kThreads,
         _ptr(x),
         _ptr(residual),
@@ -477,7 +534,7 @@ def sign_decode(
     struct, _, _ = _layout(n, block)
     _Launcher("sign", out.device)(
         f"commpress::cuda::sign_decode_kernel<{_CTYPE[out.dtype]}, {_BOOLS[bool(accumulate)]}>",
-        _blocks_for(-(-n // _p().kWarp) * _p().kWarp),
+        _p().grid_words(n),
         _p().kThreads,
         _ptr(scales),
         _ptr(bits),
@@ -504,9 +561,8 @@ def qsgd_encode(
         return norms, packed
     layout = _layout(n, bucket_size)
     struct, nblocks, groups = layout
-    per_reduction = _reduce_scratch(nblocks, groups)
-    reductions = _p().kReductions  # the launcher's scratch: commpress_reduce_scratch_cuda
-    scratch = torch.empty(reductions * per_reduction + reductions, dtype=torch.float64, device=x.device)
+    # the launcher's scratch: commpress_reduce_scratch_cuda
+    scratch = torch.empty(_p().encode_scratch(nblocks, groups), dtype=torch.float64, device=x.device)
     flags = torch.zeros(1, dtype=torch.int32, device=x.device)
     launch = _Launcher("qsgd", x.device)
     t, has_e = _CTYPE[x.dtype], _BOOLS[residual is not None]
@@ -515,14 +571,22 @@ def qsgd_encode(
         # squares of float64 can overflow: divide by the bucket's max magnitude first
         amax = _block_reduce(launch, "kMaxAbs", x, residual, None, layout, scratch, 0, flags)
         sums = _block_reduce(
-            launch, "kSumScaledSquare", x, residual, amax, layout, scratch, per_reduction + 1, flags
+            launch,
+            "kSumScaledSquare",
+            x,
+            residual,
+            amax,
+            layout,
+            scratch,
+            _p().second_reduction(nblocks, groups),
+            flags,
         )
     else:
         sums = _block_reduce(launch, "kSumSquare", x, residual, None, layout, scratch, 0, flags)
     limit = float(torch.finfo(x.dtype).max)
     launch(
         f"commpress::cuda::qsgd_finalize_kernel<{t}>",
-        _blocks_for(nblocks),
+        _p().grid_items(nblocks),
         _p().kThreads,
         _ptr(scratch, 8 * sums),
         _ptr(scratch, 8 * amax) if amax is not None else np.uint64(0),
@@ -533,7 +597,7 @@ def qsgd_encode(
     )
     launch(
         f"commpress::cuda::qsgd_encode_kernel<{t}, {has_e}, {bits}>",
-        _blocks_for(-(-n // _p().kWarp) * _p().kWarp),
+        _p().grid_words(n),
         _p().kThreads,
         _ptr(x),
         _ptr(residual),
@@ -570,7 +634,7 @@ def qsgd_decode(
     struct, _, _ = _layout(n, bucket_size)
     _Launcher("qsgd", out.device)(
         f"commpress::cuda::qsgd_decode_kernel<{_CTYPE[out.dtype]}, {bits}, {_BOOLS[bool(accumulate)]}>",
-        _blocks_for(-(-n // _p().kWarp) * _p().kWarp),
+        _p().grid_words(n),
         _p().kThreads,
         _ptr(norms),
         _ptr(packed),
@@ -597,7 +661,7 @@ def topk_select(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     if k == 0:  # nothing to select, but x must still be finite
         launch(
             f"{ns}check_finite_kernel<{t}>",
-            _blocks_for(n),
+            _p().grid_items(n),
             _p().kThreads,
             _ptr(x),
             np.int64(n),
@@ -620,7 +684,7 @@ def topk_select(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
             hist.zero_()
             launch(
                 f"{ns}histogram_kernel<{t}>",
-                min(_blocks_for(n), lp.kHistogramBlocks),
+                lp.grid_histogram(n),
                 _p().kThreads,
                 _ptr(x),
                 np.int64(n),
@@ -641,7 +705,7 @@ def topk_select(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
                 _ptr(state),
             )
             first = False
-        cblocks = min(n // _p().kThreads + 1, _p().kCountBlocks)
+        cblocks = lp.grid_count(n)
         launch(
             f"{ns}count_kernel<{t}>",
             cblocks,
@@ -692,7 +756,7 @@ def sparse_scatter_add(
         if idx.numel():
             launch(
                 f"{ns}scatter_validate_kernel<{'int64_t' if idx.dtype == torch.int64 else 'int32_t'}>",
-                _blocks_for(idx.numel()),
+                _p().grid_items(idx.numel()),
                 _p().kThreads,
                 _ptr(idx),
                 np.int64(idx.numel()),
@@ -705,7 +769,7 @@ def sparse_scatter_add(
         if idx.numel():
             launch(
                 f"{ns}scatter_add_kernel<{'int64_t' if idx.dtype == torch.int64 else 'int32_t'}, {t}>",
-                _blocks_for(idx.numel()),
+                _p().grid_items(idx.numel()),
                 _p().kThreads,
                 _ptr(idx),
                 _ptr(val),
@@ -735,7 +799,7 @@ def randomk_gather(x: torch.Tensor, k: int, seed: int, scaled: bool) -> torch.Te
     launch = _Launcher("randomk", x.device)
     launch(
         f"commpress::cuda::check_finite_kernel<{t}>",
-        _blocks_for(n),
+        _p().grid_items(n),
         _p().kThreads,
         _ptr(x),
         np.int64(n),
@@ -743,7 +807,7 @@ def randomk_gather(x: torch.Tensor, k: int, seed: int, scaled: bool) -> torch.Te
     )
     launch(
         f"commpress::cuda::gather_kernel<{t}>",
-        _blocks_for(k),
+        _p().grid_items(k),
         _p().kThreads,
         _ptr(x),
         np.int64(n),
@@ -768,7 +832,7 @@ def randomk_scatter_add(values: torch.Tensor, seed: int, out: torch.Tensor) -> N
         return
     _Launcher("randomk", out.device)(
         f"commpress::cuda::scatter_kernel<{_CTYPE[out.dtype]}>",
-        _blocks_for(k),
+        _p().grid_items(k),
         _p().kThreads,
         _ptr(values),
         np.int64(k),

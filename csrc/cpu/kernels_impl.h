@@ -547,6 +547,16 @@ COMMPRESS_HD void qsgd_elems(const T* __restrict__ x, CT<T>* __restrict__ e, CT<
   }
 }
 
+// ratio[f] = (f - s) / s for every byte value f, as the reference computes it. Every byte has
+// an entry, so even fields above 2s (which the wire decoder rejects) decode like the reference
+// does and never index past the table.
+template <class C>
+void fill_qsgd_ratios(C (&ratio)[256], int levels) {
+  for (int f = 0; f < 256; ++f) {
+    ratio[f] = qsgd_ratio<C>(static_cast<uint32_t>(f), levels);
+  }
+}
+
 template <class T, bool HasE, int Bits>
 void qsgd_encode_range(const QsgdArgs& a, int64_t i0, int64_t i1) {
   const T* __restrict__ x = static_cast<const T*>(a.x);
@@ -554,9 +564,7 @@ void qsgd_encode_range(const QsgdArgs& a, int64_t i0, int64_t i1) {
   const CT<T>* __restrict__ norms = static_cast<const CT<T>*>(a.norms);
   const int levels = a.levels;
   CT<T> ratio[256];
-  for (int f = 0; f < 256; ++f) {
-    ratio[f] = qsgd_ratio<CT<T>>(static_cast<uint32_t>(f), levels);
-  }
+  fill_qsgd_ratios(ratio, levels);
   alignas(64) uint8_t fields[kTile];
 #if COMMPRESS_AVX512
   if constexpr (std::is_same_v<T, float>) {
@@ -596,12 +604,8 @@ void qsgd_decode_range_impl(const QsgdDecodeArgs& a, int64_t i0, int64_t i1) {
   const CT<T>* __restrict__ norms = static_cast<const CT<T>*>(a.norms);
   T* __restrict__ out = static_cast<T*>(a.out);
   const int levels = a.levels;
-  // Every byte value has an entry, so even fields above 2s (which the wire decoder rejects)
-  // decode like the reference does, (f - s) / s, and never index past the table.
   CT<T> ratio[256];
-  for (int f = 0; f < 256; ++f) {
-    ratio[f] = qsgd_ratio<CT<T>>(static_cast<uint32_t>(f), levels);
-  }
+  fill_qsgd_ratios(ratio, levels);
   alignas(64) uint8_t fields[kTile];
 #if COMMPRESS_AVX512
   if constexpr (std::is_same_v<T, float>) {

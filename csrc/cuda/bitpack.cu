@@ -12,20 +12,13 @@
 #include <cstdint>
 
 #include "commpress/bitpack.h"
+#include "common.cuh"  // grid() and dispatch_width()
 #include "launch_params.h"
 
 namespace commpress {
 namespace {
 
-using cuda::kMaxBlocks;  // grid geometry: launch_params.h
-using cuda::kThreads;
-
-#ifndef __CUDACC_RTC__  // host code: not for NVRTC (the CuPy backend launches the kernels)
-int blocks_for(int64_t work_items) {
-  const int64_t blocks = (work_items + kThreads - 1) / kThreads;
-  return static_cast<int>(blocks < kMaxBlocks ? blocks : kMaxBlocks);
-}
-#endif  // __CUDACC_RTC__
+using cuda::kThreads;  // grid geometry: launch_params.h
 
 // One thread per packed byte.
 template <int Bits>
@@ -77,8 +70,8 @@ cudaError_t launch_pack(const uint8_t* fields, int64_t n, uint8_t* packed,
   if (nbytes == 0) {
     return cudaSuccess;
   }
-  pack_kernel<Bits><<<blocks_for(nbytes), kThreads, 0, stream>>>(fields, n, packed, nbytes,
-                                                                  first_bad);
+  pack_kernel<Bits><<<cuda::grid(cuda::grid_items(nbytes)), kThreads, 0, stream>>>(
+      fields, n, packed, nbytes, first_bad);
   return cudaGetLastError();
 }
 
@@ -88,7 +81,8 @@ cudaError_t launch_unpack(const uint8_t* packed, int64_t n, uint8_t* fields,
   if (n == 0) {
     return cudaSuccess;
   }
-  unpack_kernel<Bits><<<blocks_for(n), kThreads, 0, stream>>>(packed, n, fields);
+  unpack_kernel<Bits><<<cuda::grid(cuda::grid_items(n)), kThreads, 0, stream>>>(packed, n,
+                                                                                fields);
   return cudaGetLastError();
 }
 #endif  // __CUDACC_RTC__
@@ -102,36 +96,28 @@ extern "C" {
 // Packs n fields (device pointer, each < 2**bits) into ceil(n * bits / 8) bytes at `packed`.
 // `first_bad` is a device word: the launcher sets it to UINT64_MAX, and the kernel lowers it
 // to the index of the first field >= 2**bits, if any (then `packed` is meaningless).
-// Returns cudaErrorInvalidValue for bits outside {1, 2, 4, 8} or n < 0.
+// Returns cudaErrorInvalidValue for bits outside kPackWidths (launch_params.h) or n < 0.
 cudaError_t commpress_pack_bits_cuda(const uint8_t* fields, int64_t n, int bits,
                                      uint8_t* packed, unsigned long long* first_bad,
                                      cudaStream_t stream) {
   if (n < 0) {
     return cudaErrorInvalidValue;
   }
-  switch (bits) {
-    case 1: return commpress::launch_pack<1>(fields, n, packed, first_bad, stream);
-    case 2: return commpress::launch_pack<2>(fields, n, packed, first_bad, stream);
-    case 4: return commpress::launch_pack<4>(fields, n, packed, first_bad, stream);
-    case 8: return commpress::launch_pack<8>(fields, n, packed, first_bad, stream);
-    default: return cudaErrorInvalidValue;
-  }
+  return commpress::cuda::dispatch_width<commpress::cuda::kPackWidths>(bits, [&](auto width) {
+    return commpress::launch_pack<decltype(width)::value>(fields, n, packed, first_bad, stream);
+  });
 }
 
 // Unpacks n fields of `bits` bits from ceil(n * bits / 8) bytes at `packed` into `fields`.
-// Returns cudaErrorInvalidValue for bits outside {1, 2, 4, 8} or n < 0.
+// Returns cudaErrorInvalidValue for bits outside kPackWidths (launch_params.h) or n < 0.
 cudaError_t commpress_unpack_bits_cuda(const uint8_t* packed, int64_t n, int bits,
                                        uint8_t* fields, cudaStream_t stream) {
   if (n < 0) {
     return cudaErrorInvalidValue;
   }
-  switch (bits) {
-    case 1: return commpress::launch_unpack<1>(packed, n, fields, stream);
-    case 2: return commpress::launch_unpack<2>(packed, n, fields, stream);
-    case 4: return commpress::launch_unpack<4>(packed, n, fields, stream);
-    case 8: return commpress::launch_unpack<8>(packed, n, fields, stream);
-    default: return cudaErrorInvalidValue;
-  }
+  return commpress::cuda::dispatch_width<commpress::cuda::kPackWidths>(bits, [&](auto width) {
+    return commpress::launch_unpack<decltype(width)::value>(packed, n, fields, stream);
+  });
 }
 
 }  // extern "C"

@@ -39,21 +39,8 @@ inline Layout make_layout(int64_t n, int64_t block) {
   l.block = block <= 0 || block > whole ? whole : block;
   block = l.block;
   l.nblocks = n == 0 ? 0 : n / block + (n % block != 0 ? 1 : 0);
-  l.groups_per_block = (block + kGroupElems - 1) / kGroupElems;
+  l.groups_per_block = groups_per_block(block);
   return l;
-}
-
-// Doubles of scratch the reduction needs: every level's per-block values.
-inline int64_t reduce_scratch(const Layout& l) {
-  int64_t total = 0;
-  int64_t per = l.groups_per_block;
-  while (true) {
-    total += l.nblocks * per;
-    if (per == 1) {
-      return total;
-    }
-    per = (per + kWarp - 1) / kWarp;
-  }
 }
 #endif  // __CUDACC_RTC__
 
@@ -139,14 +126,14 @@ cudaError_t launch_block_reduce(const T* x, const typename Elem<T>::compute* e,
                                 int* flags, cudaStream_t stream, const double** result) {
   const int64_t ngroups = l.nblocks * l.groups_per_block;
   group_sums_kernel<Kind, T, HasE>
-      <<<blocks_for(ngroups * kWarp), kThreads, 0, stream>>>(x, e, amax, l, scratch, flags);
+      <<<grid(grid_warps(ngroups)), kThreads, 0, stream>>>(x, e, amax, l, scratch, flags);
   cudaError_t err = cudaGetLastError();
   double* in = scratch;
   int64_t per = l.groups_per_block;
   while (err == cudaSuccess && per > 1) {
     const int64_t per_out = (per + kWarp - 1) / kWarp;
     double* out = in + l.nblocks * per;
-    tree_level_kernel<Kind == kMaxAbs><<<blocks_for(l.nblocks * per_out * kWarp), kThreads, 0,
+    tree_level_kernel<Kind == kMaxAbs><<<grid(grid_warps(l.nblocks * per_out)), kThreads, 0,
                                          stream>>>(in, per, l.nblocks, per_out, out);
     err = cudaGetLastError();
     in = out;
@@ -167,9 +154,8 @@ cudaError_t launch_block_decode(int64_t n, int64_t block, int dtype, F&& launch)
     return cudaSuccess;
   }
   const Layout l = make_layout(n, block);
-  const int grid = blocks_for(((n + kWarp - 1) / kWarp) * kWarp);
   return dispatch_dtype(dtype, [&](auto tag) {
-    launch(tag, l, grid);
+    launch(tag, l, grid(grid_words(n)));
     return cudaGetLastError();
   });
 }

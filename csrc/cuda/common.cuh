@@ -9,29 +9,47 @@
 #include "commpress/tree.h"
 #include "launch_params.h"
 
+#ifndef __CUDACC_RTC__
+#include <cstddef>
+#include <type_traits>
+#include <utility>
+#endif
+
 namespace commpress {
 namespace cuda {
 
 constexpr unsigned kFullMask = 0xFFFFFFFFu;
 
 #ifndef __CUDACC_RTC__  // host code: not for NVRTC (the CuPy backend launches the kernels)
-inline int blocks_for(int64_t items, int threads = kThreads) {
-  const int64_t blocks = (items + threads - 1) / threads;
-  return static_cast<int>(blocks < 1 ? 1 : (blocks < kMaxBlocks ? blocks : kMaxBlocks));
-}
-#endif  // __CUDACC_RTC__
+// Grids come from the functions of launch_params.h (grid_items, grid_warps, ...), which the
+// CuPy backend evaluates too; <<<>>> takes an int.
+inline int grid(int64_t blocks) { return static_cast<int>(blocks); }
 
-#ifndef __CUDACC_RTC__  // host code: not for NVRTC (the CuPy backend launches the kernels)
-// Calls f(T{}) with T the storage type of `dtype`; returns cudaErrorInvalidValue if unknown.
+// Calls f(T{}) with T the storage type of `dtype` (launch_params.h COMMPRESS_STORAGE_TYPES);
+// returns cudaErrorInvalidValue if unknown.
 template <class F>
 cudaError_t dispatch_dtype(int dtype, F&& f) {
   switch (dtype) {
-    case kF32: return f(float{});
-    case kF16: return f(Half{});
-    case kBF16: return f(BFloat16{});
-    case kF64: return f(double{});
+#define COMMPRESS_DTYPE_CASE(code, type) \
+  case code: return f(type{});
+    COMMPRESS_STORAGE_TYPES(COMMPRESS_DTYPE_CASE)
+#undef COMMPRESS_DTYPE_CASE
     default: return cudaErrorInvalidValue;
   }
+}
+
+// Calls f(std::integral_constant<int, W>{}) for the W of `Widths` (a width list of
+// launch_params.h: kPackWidths, kQsgdWidths) equal to `width`; cudaErrorInvalidValue if none.
+template <const auto& Widths, class F, std::size_t... I>
+cudaError_t dispatch_width_in(int width, F& f, std::index_sequence<I...>) {
+  cudaError_t err = cudaErrorInvalidValue;
+  (void)((width == Widths[I] && (err = f(std::integral_constant<int, Widths[I]>{}), true)) || ...);
+  return err;
+}
+template <const auto& Widths, class F>
+cudaError_t dispatch_width(int width, F&& f) {
+  constexpr std::size_t kCount = sizeof(Widths) / sizeof(Widths[0]);
+  return dispatch_width_in<Widths>(width, f, std::make_index_sequence<kCount>{});
 }
 #endif  // __CUDACC_RTC__
 

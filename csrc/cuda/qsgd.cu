@@ -109,24 +109,6 @@ __global__ void qsgd_decode_kernel(const typename Elem<T>::compute* __restrict__
 
 #ifndef __CUDACC_RTC__  // host code: not for NVRTC (the CuPy backend launches the kernels)
 template <class T, bool HasE>
-cudaError_t launch_encode(int bits, int grid, const T* x, typename Elem<T>::compute* e,
-                          const typename Elem<T>::compute* norms, const Layout& l, int levels,
-                          uint64_t key, uint8_t* packed, const int* flags, cudaStream_t stream) {
-  switch (bits) {
-    case 2:
-      qsgd_encode_kernel<T, HasE, 2><<<grid, kThreads, 0, stream>>>(x, e, norms, l, levels, key, packed, flags);
-      break;
-    case 4:
-      qsgd_encode_kernel<T, HasE, 4><<<grid, kThreads, 0, stream>>>(x, e, norms, l, levels, key, packed, flags);
-      break;
-    default:
-      qsgd_encode_kernel<T, HasE, 8><<<grid, kThreads, 0, stream>>>(x, e, norms, l, levels, key, packed, flags);
-      break;
-  }
-  return cudaGetLastError();
-}
-
-template <class T, bool HasE>
 cudaError_t reduce_norms(const T* x, typename Elem<T>::compute* e, const Layout& l,
                          double* scratch, int* flags, cudaStream_t stream, const double** sums,
                          const double** amax) {
@@ -138,7 +120,7 @@ cudaError_t reduce_norms(const T* x, typename Elem<T>::compute* e, const Layout&
     if (err != cudaSuccess) {
       return err;
     }
-    double* second = scratch + reduce_scratch(l) + 1;
+    double* second = scratch + second_reduction(l.nblocks, l.groups_per_block);
     return launch_block_reduce<kSumScaledSquare, T, HasE>(x, e, *amax, l, second, flags, stream,
                                                           sums);
   } else {
@@ -147,8 +129,8 @@ cudaError_t reduce_norms(const T* x, typename Elem<T>::compute* e, const Layout&
   }
 }
 
-template <class T>
-cudaError_t qsgd_encode(const void* xv, void* ev, int64_t n, int bits, int levels, int64_t bucket,
+template <class T, int Bits>
+cudaError_t qsgd_encode(const void* xv, void* ev, int64_t n, int levels, int64_t bucket,
                         uint64_t seed, double limit, void* normsv, uint8_t* packed,
                         double* scratch, int* flags, cudaStream_t stream) {
   using CT = typename Elem<T>::compute;
@@ -167,16 +149,21 @@ cudaError_t qsgd_encode(const void* xv, void* ev, int64_t n, int bits, int level
   if (err != cudaSuccess) {
     return err;
   }
-  qsgd_finalize_kernel<T><<<blocks_for(l.nblocks), kThreads, 0, stream>>>(sums, amax, l, limit,
-                                                                          norms, flags);
+  qsgd_finalize_kernel<T><<<grid(grid_items(l.nblocks)), kThreads, 0, stream>>>(
+      sums, amax, l, limit, norms, flags);
   if ((err = cudaGetLastError()) != cudaSuccess) {
     return err;
   }
-  const int grid = blocks_for(((n + kWarp - 1) / kWarp) * kWarp);
   const uint64_t key = rng_key(seed, kStreamQSGD);
-  return e != nullptr
-             ? launch_encode<T, true>(bits, grid, x, e, norms, l, levels, key, packed, flags, stream)
-             : launch_encode<T, false>(bits, grid, x, e, norms, l, levels, key, packed, flags, stream);
+  const int g = grid(grid_words(n));
+  if (e != nullptr) {
+    qsgd_encode_kernel<T, true, Bits><<<g, kThreads, 0, stream>>>(x, e, norms, l, levels, key,
+                                                                  packed, flags);
+  } else {
+    qsgd_encode_kernel<T, false, Bits><<<g, kThreads, 0, stream>>>(x, e, norms, l, levels, key,
+                                                                   packed, flags);
+  }
+  return cudaGetLastError();
 }
 #endif  // __CUDACC_RTC__
 
@@ -191,14 +178,20 @@ cudaError_t commpress_qsgd_encode_cuda(const void* x, int dtype, void* residual,
                                        int bits, int levels, int64_t bucket, uint64_t seed,
                                        double limit, void* norms, uint8_t* packed,
                                        double* scratch, int* flags, cudaStream_t stream) {
-  if (n < 0 || bucket < 1 || (bits != 2 && bits != 4 && bits != 8) || levels < 1 ||
-      levels > (1 << (bits - 1)) - 1) {
+  using namespace commpress::cuda;
+  if (n < 0 || bucket < 1 || levels < 1) {
     return cudaErrorInvalidValue;
   }
-  return commpress::cuda::dispatch_dtype(dtype, [&](auto tag) {
-    using T = decltype(tag);
-    return commpress::cuda::qsgd_encode<T>(x, residual, n, bits, levels, bucket, seed, limit, norms,
-                                           packed, scratch, flags, stream);
+  return dispatch_width<kQsgdWidths>(bits, [&](auto width) {
+    constexpr int kBits = decltype(width)::value;
+    if (levels > (1 << (kBits - 1)) - 1) {
+      return cudaErrorInvalidValue;
+    }
+    return dispatch_dtype(dtype, [&](auto tag) {
+      using T = decltype(tag);
+      return qsgd_encode<T, kBits>(x, residual, n, levels, bucket, seed, limit, norms, packed,
+                                   scratch, flags, stream);
+    });
   });
 }
 
@@ -206,27 +199,22 @@ cudaError_t commpress_qsgd_decode_cuda(const void* norms, const uint8_t* packed,
                                        int bits, int levels, int64_t bucket, int dtype,
                                        void* out, int accumulate, cudaStream_t stream) {
   using namespace commpress::cuda;
-  if ((bits != 2 && bits != 4 && bits != 8) || levels < 1) {
+  if (levels < 1) {
     return cudaErrorInvalidValue;
   }
-  return launch_block_decode(n, bucket, dtype, [&](auto tag, const Layout& l, int grid) {
-    using T = decltype(tag);
-    using CT = typename commpress::Elem<T>::compute;
-    const CT* nm = static_cast<const CT*>(norms);
-    T* o = static_cast<T*>(out);
-    const auto launch = [&](auto acc) {
-      constexpr bool kAcc = decltype(acc)::value;
-      switch (bits) {
-        case 2: qsgd_decode_kernel<T, 2, kAcc><<<grid, kThreads, 0, stream>>>(nm, packed, l, levels, o); break;
-        case 4: qsgd_decode_kernel<T, 4, kAcc><<<grid, kThreads, 0, stream>>>(nm, packed, l, levels, o); break;
-        default: qsgd_decode_kernel<T, 8, kAcc><<<grid, kThreads, 0, stream>>>(nm, packed, l, levels, o); break;
+  return dispatch_width<kQsgdWidths>(bits, [&](auto width) {
+    constexpr int kBits = decltype(width)::value;
+    return launch_block_decode(n, bucket, dtype, [&](auto tag, const Layout& l, int g) {
+      using T = decltype(tag);
+      using CT = typename commpress::Elem<T>::compute;
+      const CT* nm = static_cast<const CT*>(norms);
+      T* o = static_cast<T*>(out);
+      if (accumulate) {
+        qsgd_decode_kernel<T, kBits, true><<<g, kThreads, 0, stream>>>(nm, packed, l, levels, o);
+      } else {
+        qsgd_decode_kernel<T, kBits, false><<<g, kThreads, 0, stream>>>(nm, packed, l, levels, o);
       }
-    };
-    if (accumulate) {
-      launch(std::true_type{});
-    } else {
-      launch(std::false_type{});
-    }
+    });
   });
 }
 

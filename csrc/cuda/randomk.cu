@@ -80,8 +80,8 @@ cudaError_t commpress_randomk_gather_cuda(const void* x, int dtype, int64_t n, i
   return dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     const T* xs = static_cast<const T*>(x);
-    check_finite_kernel<T><<<blocks_for(n), kThreads, 0, stream>>>(xs, n, flags);
-    gather_kernel<T><<<blocks_for(k), kThreads, 0, stream>>>(xs, n, k, key, scaled != 0,
+    check_finite_kernel<T><<<grid(grid_items(n)), kThreads, 0, stream>>>(xs, n, flags);
+    gather_kernel<T><<<grid(grid_items(k)), kThreads, 0, stream>>>(xs, n, k, key, scaled != 0,
                                                              static_cast<T*>(values), flags);
     return cudaGetLastError();
   });
@@ -100,8 +100,8 @@ cudaError_t commpress_randomk_scatter_add_cuda(const void* values, int dtype, in
   const uint64_t key = commpress::rng_key(seed, commpress::kStreamRandomK);
   return dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
-    scatter_kernel<T><<<blocks_for(k), kThreads, 0, stream>>>(static_cast<const T*>(values), k, n,
-                                                              key, static_cast<T*>(out));
+    scatter_kernel<T><<<grid(grid_items(k)), kThreads, 0, stream>>>(
+        static_cast<const T*>(values), k, n, key, static_cast<T*>(out));
     return cudaGetLastError();
   });
 }

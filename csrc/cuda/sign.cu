@@ -101,15 +101,15 @@ cudaError_t sign_encode(const void* xv, void* ev, int64_t n, int64_t block, void
     return err;
   }
   CT* s = static_cast<CT*>(scales);
-  sign_finalize_kernel<T><<<blocks_for(l.nblocks), kThreads, 0, stream>>>(sums, l, s, flags);
+  sign_finalize_kernel<T><<<grid(grid_items(l.nblocks)), kThreads, 0, stream>>>(sums, l, s, flags);
   if ((err = cudaGetLastError()) != cudaSuccess) {
     return err;
   }
-  const int grid = blocks_for(((n + kWarp - 1) / kWarp) * kWarp);
+  const int g = grid(grid_words(n));
   if (e != nullptr) {
-    sign_encode_kernel<T, true><<<grid, kThreads, 0, stream>>>(x, e, s, l, bits, flags);
+    sign_encode_kernel<T, true><<<g, kThreads, 0, stream>>>(x, e, s, l, bits, flags);
   } else {
-    sign_encode_kernel<T, false><<<grid, kThreads, 0, stream>>>(x, e, s, l, bits, flags);
+    sign_encode_kernel<T, false><<<g, kThreads, 0, stream>>>(x, e, s, l, bits, flags);
   }
   return cudaGetLastError();
 }
@@ -125,7 +125,8 @@ extern "C" {
 int64_t commpress_reduce_scratch_cuda(int64_t n, int64_t block) {
   // kReductions reductions (QSGD float64: max, then scaled squares) each need their own levels
   using namespace commpress::cuda;
-  return kReductions * reduce_scratch(make_layout(n, block)) + kReductions;
+  const Layout l = make_layout(n, block);
+  return encode_scratch(l.nblocks, l.groups_per_block);
 }
 
 cudaError_t commpress_sign_encode_cuda(const void* x, int dtype, void* residual, int64_t n,
@@ -145,15 +146,15 @@ cudaError_t commpress_sign_decode_cuda(const void* scales, const uint8_t* bits, 
                                        int64_t block, int dtype, void* out, int accumulate,
                                        cudaStream_t stream) {
   using namespace commpress::cuda;
-  return launch_block_decode(n, block, dtype, [&](auto tag, const Layout& l, int grid) {
+  return launch_block_decode(n, block, dtype, [&](auto tag, const Layout& l, int g) {
     using T = decltype(tag);
     using CT = typename commpress::Elem<T>::compute;
     const CT* s = static_cast<const CT*>(scales);
     T* o = static_cast<T*>(out);
     if (accumulate) {
-      sign_decode_kernel<T, true><<<grid, kThreads, 0, stream>>>(s, bits, l, o);
+      sign_decode_kernel<T, true><<<g, kThreads, 0, stream>>>(s, bits, l, o);
     } else {
-      sign_decode_kernel<T, false><<<grid, kThreads, 0, stream>>>(s, bits, l, o);
+      sign_decode_kernel<T, false><<<g, kThreads, 0, stream>>>(s, bits, l, o);
     }
   });
 }

@@ -210,7 +210,7 @@ cudaError_t topk_select(const void* xv, int64_t n, int64_t k, void* indices, int
     return err;
   }
   if (k == 0) {  // nothing to select, but x must still be finite
-    check_finite_kernel<T><<<blocks_for(n), kThreads, 0, stream>>>(x, n, flags);
+    check_finite_kernel<T><<<grid(grid_items(n)), kThreads, 0, stream>>>(x, n, flags);
     return cudaGetLastError();
   }
   const SelectState init{0, 0, static_cast<ull>(k), 0};
@@ -227,8 +227,8 @@ cudaError_t topk_select(const void* xv, int64_t n, int64_t k, void* indices, int
     if ((err = cudaMemsetAsync(hist, 0, sizeof(ull) * kBins, stream)) != cudaSuccess) {
       return err;
     }
-    histogram_kernel<T><<<blocks_for(n) < kHistogramBlocks ? blocks_for(n) : kHistogramBlocks,
-                          kThreads, 0, stream>>>(x, n, state, shift, width, hist, flags, first);
+    histogram_kernel<T><<<grid(grid_histogram(n)), kThreads, 0, stream>>>(x, n, state, shift, width,
+                                                                         hist, flags, first);
     if ((err = cudaGetLastError()) != cudaSuccess) {
       return err;
     }
@@ -238,7 +238,7 @@ cudaError_t topk_select(const void* xv, int64_t n, int64_t k, void* indices, int
     }
     first = false;
   }
-  const int cblocks = static_cast<int>(n / kThreads + 1 < kCountBlocks ? n / kThreads + 1 : kCountBlocks);
+  const int cblocks = grid(grid_count(n));
   count_kernel<T><<<cblocks, kThreads, 0, stream>>>(x, n, state, counts);
   if ((err = cudaGetLastError()) != cudaSuccess) {
     return err;
@@ -325,10 +325,10 @@ cudaError_t commpress_scatter_validate_cuda(const void* indices, int index64, in
     return cudaSuccess;
   }
   if (index64) {
-    scatter_validate_kernel<int64_t><<<blocks_for(k), kThreads, 0, stream>>>(
+    scatter_validate_kernel<int64_t><<<grid(grid_items(k)), kThreads, 0, stream>>>(
         static_cast<const int64_t*>(indices), k, n, payload, first_bad);
   } else {
-    scatter_validate_kernel<int32_t><<<blocks_for(k), kThreads, 0, stream>>>(
+    scatter_validate_kernel<int32_t><<<grid(grid_items(k)), kThreads, 0, stream>>>(
         static_cast<const int32_t*>(indices), k, n, payload, first_bad);
   }
   return cudaGetLastError();
@@ -349,10 +349,10 @@ cudaError_t commpress_scatter_add_cuda(const void* indices, int index64, const v
     const T* v = static_cast<const T*>(values);
     T* o = static_cast<T*>(out);
     if (index64) {
-      scatter_add_kernel<int64_t, T><<<blocks_for(k), kThreads, 0, stream>>>(
+      scatter_add_kernel<int64_t, T><<<grid(grid_items(k)), kThreads, 0, stream>>>(
           static_cast<const int64_t*>(indices), v, k, o, first_bad);
     } else {
-      scatter_add_kernel<int32_t, T><<<blocks_for(k), kThreads, 0, stream>>>(
+      scatter_add_kernel<int32_t, T><<<grid(grid_items(k)), kThreads, 0, stream>>>(
           static_cast<const int32_t*>(indices), v, k, o, first_bad);
     }
     return cudaGetLastError();
