@@ -77,17 +77,13 @@ class AllReduce(Algorithm):
         """Dispatch to the cast form or the shared-seed form (the codecs are the same per buffer)."""
         compressed = {type(s.codec) for s in ctx.slots if not s.dense}
         if not compressed:
-            return _cast_allreduce(ctx, None)
+            return _cast_reduce(ctx.flat, ctx.group, None, ctx.stats)  # the context counted the buffer
         if len(compressed) != 1:
             raise CodecError(f"algorithm 'allreduce' cannot mix codecs {sorted(c.name for c in compressed)}")
         codec = next(s.codec for s in ctx.slots if not s.dense)
         if codec.cast_dtype is not None:
-            return _cast_allreduce(ctx, codec.cast_dtype)
+            return _cast_reduce(ctx.flat, ctx.group, codec.cast_dtype, ctx.stats)
         return _shared_seed_allreduce(ctx)
-
-
-def _cast_allreduce(ctx: StepContext, wire_dtype: torch.dtype | None) -> torch.futures.Future[torch.Tensor]:
-    return _cast_reduce(ctx.flat, ctx.group, wire_dtype, ctx.stats)  # the context counted the buffer
 
 
 def _shared_seed_allreduce(ctx: StepContext) -> torch.futures.Future[torch.Tensor]:

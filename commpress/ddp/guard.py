@@ -4,9 +4,9 @@ Error-feedback instability shows early as residuals growing relative to what is 
 (the residual holds everything not yet sent; when the compressor drops more than the optimizer
 can absorb, it grows step after step). Every ``interval`` compressed steps the hook measures,
 on every rank, ``ratio = ||residuals|| / ||compressor input||`` over the compressed parameters
-(two norm passes, nothing else; the input norm is the larger of the current one and a slow average
-of the past ones, so shrinking gradients near convergence do not look like a runaway), all ranks all-reduce the two sums (so they take the same
-decision), and when the ratio exceeds ``threshold`` the next ``dense_steps`` steps are plain
+(two norm passes, nothing else; the input norm is the larger of the current one and a slow
+average of the past ones, so shrinking gradients near convergence do not look like a runaway),
+all ranks all-reduce the two sums (so they take the same decision), and when the ratio exceeds ``threshold`` the next ``dense_steps`` steps are plain
 dense all-reduces into which each rank flushes its residuals: nothing is lost, the step the
 residuals belonged to still happens, and compression resumes afterwards. Every firing is logged
 on the ``commpress`` logger and counted in ``stats()`` (``guard_ratio``, ``guard_fired``,

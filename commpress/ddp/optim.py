@@ -107,8 +107,6 @@ def check_rule(value: Any, what: str) -> MomentumRule:
     return MomentumRule(float(m), float(d), nesterov)
 
 
-
-
 # ----- Adam / AdamW: compressed momentum with the variance frozen after warm-up ----------------
 def is_adam_like(optimizer: torch.optim.Optimizer) -> bool:
     """True for Adam-style optimizers (every group has ``betas`` and ``eps``)."""
@@ -138,8 +136,8 @@ class FrozenVarianceAdam:
     error feedback; the averaged momentum arrives as the gradient, and a step pre-hook applies
     ``p -= lr * (m/bc1) / (sqrt(v/bc2) + eps)`` with ``v`` frozen (``bc2`` from the step at
     which it froze; each coordinate held to Adam's own bound ``(1-b1)/sqrt(1-b2)``, which a
-    compressed momentum can exceed where ``v`` froze near zero), decoupled weight decay first, and writes ``m`` into ``exp_avg`` so the
-    optimizer's state_dict holds what was applied. It then hides those gradients from the
+    compressed momentum can exceed where ``v`` froze near zero), decoupled weight decay first,
+    and writes ``m`` into ``exp_avg`` so the optimizer's state_dict holds what was applied. It then hides those gradients from the
     optimizer's own step (restored right after), so the optimizer updates only the dense ones.
     """
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -206,8 +207,8 @@ class CompressionState:
             divergence_guard = DivergenceGuard() if divergence_guard else DivergenceGuard(threshold=0.0)
         if not isinstance(divergence_guard, DivergenceGuard):
             raise CodecError(f"divergence_guard must be a bool or a DivergenceGuard, got {divergence_guard!r}")
-        if self.feedback is None:
-            divergence_guard.threshold = 0.0  # nothing to watch without residuals
+        if self.feedback is None:  # nothing to watch without residuals (the caller's object untouched)
+            divergence_guard = dataclasses.replace(divergence_guard, threshold=0.0)
         self.guard = divergence_guard
         self._bucket_plans: dict[tuple[int, ...], BucketPlan] = {}
         self._stats = CommStats()
