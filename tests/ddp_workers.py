@@ -419,11 +419,16 @@ def worker_checkpoint(rank: int, world: int, phase: str, outdir: str, half: int)
                 )
             train_step(ddp, opt, rank, step)
             assert_same_across_ranks(ddp, f"{codec} {phase} step {step}")
+        # the byte counters travel with the checkpoint: stats() after a resume equals the uninterrupted run's
+        # (buckets and frame headers may differ: a fresh DDP buckets its first step differently)
+        counted = ("steps", "counted_steps", "dense_bytes", "dense_bytes_per_step")
+        stats = torch.tensor([float(state.stats()[k]) for k in counted], dtype=torch.float64)
         if phase == "full":
-            torch.save(flat_params(ddp), final)
+            torch.save({"params": flat_params(ddp), "stats": stats}, final)
         else:
             expected = torch.load(final, weights_only=True)
-            assert_all_ranks(torch.equal(expected, flat_params(ddp)), f"{codec}: resumed run differs from the uninterrupted one")
+            assert_all_ranks(torch.equal(expected["params"], flat_params(ddp)), f"{codec}: resumed run differs from the uninterrupted one")
+            assert_all_ranks(torch.equal(expected["stats"], stats), f"{codec}: stats() after resume {stats} != {expected['stats']}")
 
 
 # ----- torchrun entry point -----------------------------------------------------------------------

@@ -27,7 +27,7 @@ import math
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -119,6 +119,19 @@ class CommStats:
         """Set every counter to zero."""
         with self._lock:
             self._values = dict.fromkeys(self.FIELDS, 0)
+
+    def load(self, values: Mapping[str, Any]) -> None:
+        """Replace the counters by ``values`` (a checkpointed :meth:`as_dict`), after checking them."""
+        unknown = set(values) - set(self.FIELDS)
+        if unknown:
+            raise ValueError(f"unknown statistics {sorted(unknown)}")
+        checked: dict[str, float] = dict.fromkeys(self.FIELDS, 0)
+        for k, v in values.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+                raise ValueError(f"statistic {k!r} must be a finite number >= 0, got {v!r}")
+            checked[k] = v
+        with self._lock:
+            self._values = checked
 
     def as_dict(self) -> dict[str, float]:
         """A snapshot of the counters."""

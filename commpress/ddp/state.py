@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import hashlib
-import json
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -16,8 +13,9 @@ import torch.distributed as dist
 from .. import codecs, comm
 from ..codecs import Bf16Codec, Codec, Fp16Codec, NoneCodec
 from ..codecs.base import all_finite
-from ..comm import CommStats, all_gather_single, check_algorithm
-from ..errors import CodecError, ConfigurationError
+from ..comm import CommStats, check_algorithm
+from ..comm.agreement import check_same_config
+from ..errors import CodecError
 from ..feedback import ErrorFeedback, residual_dtype
 from ..rng import derive_seed
 from .guard import DivergenceGuard
@@ -115,10 +113,14 @@ class CompressionState:
             byte LM's loss), off otherwise (on SGD digits it cost top-k 1% 0.8 accuracy points).
         algorithm: ``"auto"`` (per codec, see :mod:`commpress.comm`), ``"allreduce"``,
             ``"allgather"`` or ``"twophase"``.
-        verify: at construction, all-gather a fingerprint of the configuration and model so
-            ranks configured differently fail with a clear error instead of hanging; on gloo a
-            monitored barrier first makes a rank that never registers an error on every rank
-            (:class:`~commpress.errors.ConfigurationError` after ``verify_timeout`` seconds).
+        verify: at construction, compare a digest of the configuration and model across ranks
+            (through the process group's store, no collective) so that ranks configured
+            differently fail with a :class:`~commpress.errors.ConfigurationError` naming what
+            differs, and a rank that never registers is named on every rank that did after
+            ``verify_timeout`` seconds (default 60), on gloo and NCCL alike. ``False`` defers the
+            same check to the first step's first bucket (mismatched ranks would otherwise crash
+            gloo or wait until the process group's timeout).
+        verify_timeout: seconds to wait for every rank to register (see ``verify``).
         **codec_params: codec parameters when ``codec`` is a name (``ratio=0.01``).
 
     Example::
@@ -131,7 +133,7 @@ class CompressionState:
         "process_group", "world_size", "rank", "codec", "algorithm", "error_feedback",
         "warmup_steps", "seed", "step", "plans", "plans_by_id", "feedback", "server_feedback",
         "momentum", "momentum_masking", "velocity", "_bucket_plans", "_stats", "momentum_rules",
-        "optimizer", "guard", "adam",
+        "optimizer", "guard", "adam", "_verify_pending", "_stats_from_step",
     )
 
     def __init__(
@@ -212,13 +214,17 @@ class CompressionState:
         self.guard = divergence_guard
         self._bucket_plans: dict[tuple[int, ...], BucketPlan] = {}
         self._stats = CommStats()
+        self._stats_from_step = 0  # the step the counters start at (a reset, or an old checkpoint)
         if self.momentum:
             rule = MomentumRule(self.momentum)
             self.momentum_rules = {name: rule for name in self.plans}
         self._adopt_optimizer(module, optimizer, momentum_masking)
+        if not isinstance(verify_timeout, (int, float)) or isinstance(verify_timeout, bool) or verify_timeout <= 0:
+            raise CodecError(f"verify_timeout must be a number of seconds > 0, got {verify_timeout!r}")
+        # verify=False only moves the check to the first bucket of the first step: ranks that
+        # disagree would otherwise crash gloo (frame sizes) or wait forever (algorithms)
+        self._verify_pending: float | None = None if verify else float(verify_timeout)
         if verify:
-            if not isinstance(verify_timeout, (int, float)) or isinstance(verify_timeout, bool) or verify_timeout <= 0:
-                raise CodecError(f"verify_timeout must be a number of seconds > 0, got {verify_timeout!r}")
             self._verify_ranks(float(verify_timeout))
 
     # ----- configuration --------------------------------------------------------------------
@@ -257,34 +263,16 @@ class CompressionState:
         }
 
     def _verify_ranks(self, timeout_s: float) -> None:
-        """Fail on every rank, instead of hanging, when ranks register differently or not at all.
+        """Fail on every rank, never hang or crash, when ranks register differently or not at all.
 
-        A rank that never registers (``register`` under ``if rank == 0:``) would leave the others
-        waiting forever in the fingerprint exchange: on gloo a monitored barrier first turns that
-        into an error naming the missing ranks after ``timeout_s``; the raising rank's exit
-        then breaks the other ranks' pending collectives, so every rank ends with an error.
+        :func:`commpress.comm.agreement.check_same_config` goes through the process group's
+        store, so a rank that never registers is named after ``timeout_s`` on gloo and NCCL alike.
         """
-        if dist.get_backend(self.process_group) == "gloo":
-            try:
-                dist.monitored_barrier(
-                    self.process_group, timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True
-                )
-            except RuntimeError as exc:
-                raise ConfigurationError(
-                    f"commpress: rank {self.rank} registered the hook but not every rank did within "
-                    f"{timeout_s:g} s: call commpress.ddp.register on every rank ({exc})"
-                ) from None
-        blob = json.dumps(self.config(), sort_keys=True).encode()
-        digest = int.from_bytes(hashlib.sha256(blob).digest()[:7], "little")
-        mine = torch.tensor([digest], dtype=torch.int64)
-        everyone = torch.empty(self.world_size, dtype=torch.int64)
-        all_gather_single(everyone, mine, group=self.process_group)
-        if bool((everyone != mine).any()):
-            differ = [i for i, d in enumerate(everyone.tolist()) if d != digest]
-            raise ConfigurationError(
-                f"commpress: ranks {differ} are configured differently from rank {self.rank} "
-                "(codec, algorithm, options or model parameters): every rank must register the same"
-            )
+        config = self.config()
+        summary = (f"{self.codec!r}, algorithm={self.algorithm}, error_feedback={self.error_feedback}, "
+                   f"warmup_steps={self.warmup_steps}, {len(config['params'])} parameters")
+        check_same_config(config, summary=summary, group=self.process_group, timeout_s=timeout_s,
+                          what="commpress.ddp.register")
 
     def _adopt_optimizer(
         self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, masking: bool | None
@@ -348,7 +336,10 @@ class CompressionState:
                     type(optimizer).__name__, len(compressed), self.warmup_steps)
 
     def before_bucket(self) -> None:
-        """Start Adam's compressed-momentum phase at the first step after the warm-up."""
+        """Run a deferred ``verify=False`` check; start Adam's compressed momentum after warm-up."""
+        if self._verify_pending is not None:
+            timeout_s, self._verify_pending = self._verify_pending, None
+            self._verify_ranks(timeout_s)
         if self.adam is not None and not self.adam.active and self.step >= self.warmup_steps:
             self.momentum_rules = self.adam.rules()
             for name, m in self.adam.momenta().items():  # a resumed run keeps its checkpointed velocity
@@ -460,6 +451,10 @@ class CompressionState:
     def stats(self) -> dict[str, float]:
         """Steps, bytes handed to collectives vs dense, compression ratio and time spent.
 
+        ``steps`` is the training step (restored by :meth:`load_state_dict`); the counters cover
+        ``counted_steps`` of them (all, unless :meth:`reset_stats` was called or the checkpoint
+        predates saved counters), and the per-step figures divide by that.
+
         ``bytes_sent``: bytes this rank handed to collectives; ``dense_bytes``: what DDP's own
         all-reduce would have been handed; ``compression_ratio`` = dense / sent.
         ``bytes_wire`` / ``dense_wire`` estimate what this rank transmits (ring all-reduce
@@ -469,9 +464,10 @@ class CompressionState:
         """
         s: dict[str, float] = dict(self._stats.as_dict())
         s["steps"] = self.step
+        s["counted_steps"] = self.step - self._stats_from_step
         s["compression_ratio"] = s["dense_bytes"] / s["bytes_sent"] if s["bytes_sent"] else 1.0
         s["wire_ratio"] = s["dense_wire"] / s["bytes_wire"] if s["bytes_wire"] else 1.0
-        steps = max(self.step, 1)
+        steps = max(self.step - self._stats_from_step, 1)
         s["bytes_sent_per_step"] = s["bytes_sent"] / steps
         s["dense_bytes_per_step"] = s["dense_bytes"] / steps
         s.update(self.guard.stats())
@@ -485,8 +481,9 @@ class CompressionState:
         self.step += 1
 
     def reset_stats(self) -> None:
-        """Zero the counters (the step count is state, it is kept)."""
+        """Zero the counters (the step count is state, it is kept; per-step figures count from here)."""
         self._stats.reset()
+        self._stats_from_step = self.step
 
     def residual(self, name: str) -> torch.Tensor | None:
         """The worker-side residual of parameter ``name`` (None before its first step)."""
@@ -521,6 +518,8 @@ class CompressionState:
             "momentum_rules": {k: r.as_list() for k, r in self.momentum_rules.items()},
             "velocity": {k: v.detach().clone() for k, v in self.velocity.items()},
             "guard": self.guard.state(),
+            "stats": self._stats.as_dict(),
+            "stats_from_step": self._stats_from_step,
             "feedback": None if self.feedback is None else self.feedback.state_dict(),
             "server_feedback": None if self.server_feedback is None else self.server_feedback.state_dict(),
         }
@@ -562,8 +561,15 @@ class CompressionState:
                 f"error_feedback mismatch: checkpoint {state['error_feedback']!r}, this state {self.error_feedback!r}"
             )
         step, seed = state["step"], state["seed"]
-        if not isinstance(step, int) or step < 0 or not isinstance(seed, int) or not 0 <= seed < 1 << 64:
-            raise ValueError(f"step / seed must be non-negative ints, got {step!r} / {seed!r}")
+        if not isinstance(step, int) or not 0 <= step < 1 << 62 or not isinstance(seed, int) or not 0 <= seed < 1 << 64:
+            raise ValueError(f"step must be an int in [0, 2**62) and seed in [0, 2**64), got {step!r} / {seed!r}")
+        stats = CommStats()
+        stats_from = step  # a checkpoint without counters: count from here
+        if "stats" in state:
+            stats.load(dict(state["stats"]))
+            stats_from = state.get("stats_from_step", 0)
+            if not isinstance(stats_from, int) or not 0 <= stats_from <= step:
+                raise ValueError(f"stats_from_step must be an int in [0, step], got {stats_from!r}")
         mine = {p.name: list(p.shape) for p in self.plans.values() if p.compressed}
         theirs = {str(k): [int(d) for d in v] for k, v in dict(state["shapes"]).items()}
         if theirs != mine:
@@ -604,6 +610,8 @@ class CompressionState:
         self.feedback, self.server_feedback = worker, server
         self.velocity = velocity
         self.step, self.seed = step, seed
+        self._stats.load(stats.as_dict())  # in place: the collectives hold this object
+        self._stats_from_step = stats_from
 
     def __repr__(self) -> str:
         dense = sum(1 for p in self.plans.values() if not p.compressed)
