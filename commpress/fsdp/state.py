@@ -345,7 +345,7 @@ class FSDPCompressionState:
             self._store_working_set(slots)
         plan.calls += 1
         if async_op:
-            return torch._C._distributed_c10d._create_work_from_future(fut)
+            return torch._C._distributed_c10d._create_work_from_future(fut)  # type: ignore[attr-defined]
         return None
 
     def _slots(self, plan: ModulePlan, n: int) -> list[Slot]:
