@@ -203,8 +203,9 @@ class FSDPCompressionState:
             if not isinstance(verify_timeout, (int, float)) or isinstance(verify_timeout, bool) or verify_timeout <= 0:
                 raise CodecError(f"verify_timeout must be a number of seconds > 0, got {verify_timeout!r}")
             self._verify_ranks(float(verify_timeout))
-        for module, plan in zip(self._fsdp_modules(model), self.modules):
-            module.set_custom_reduce_scatter(CompressedReduceScatter(self, plan))  # type: ignore[arg-type]
+        modules = {n or "<root>": m for n, m in model.named_modules() if isinstance(m, FSDPModule)}
+        for plan in self.modules:  # a module without parameters of its own has no plan
+            modules[plan.name].set_custom_reduce_scatter(CompressedReduceScatter(self, plan))  # type: ignore[arg-type]
 
     # ----- planning --------------------------------------------------------------------------
     @staticmethod
