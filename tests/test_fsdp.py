@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import fsdp_workers as fw
 import pytest
 import torch
 
@@ -18,7 +19,6 @@ import commpress.fsdp
 from commpress.errors import CodecError
 
 import ddp_workers as w
-import fsdp_workers as fw
 
 ROOT = Path(__file__).resolve().parents[1]
 
