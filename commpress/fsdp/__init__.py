@@ -1,0 +1,39 @@
+"""FSDP2 with a compressed reduce-scatter.
+
+``state = commpress.fsdp.register(model, "topk", ratio=0.01)`` (after ``fully_shard``) puts a
+:class:`~.state.CompressedReduceScatter` on every FSDP module of ``model`` and returns the
+:class:`FSDPCompressionState` (statistics, residual memory, checkpointing). Each rank encodes
+the chunks of the flat gradient bound for the other ranks, exchanges them with one all_to_all,
+and decodes and sums its own shard (:mod:`commpress.comm.reducescatter`); the all-gather of
+parameters stays FSDP's. ``"none"`` is FSDP's own reduce-scatter, bit for bit.
+
+Example::
+
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    state = commpress.fsdp.register(model, "sign", block_size=256)
+    ...
+    torch.save(state.state_dict(), f"commpress_rank{rank}.pt")  # residuals are per rank
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..codecs import Codec
+from .state import CompressedReduceScatter, FSDPCompressionState, ModulePlan, ShardPlan
+
+__all__ = ["CompressedReduceScatter", "FSDPCompressionState", "ModulePlan", "ShardPlan", "register"]
+
+
+def register(model: torch.nn.Module, codec: str | Codec, **options: Any) -> FSDPCompressionState:
+    """Install commpress's reduce-scatter on every FSDP module of ``model``; return its state.
+
+    ``options`` are those of :class:`FSDPCompressionState` plus, when ``codec`` is a name, the
+    codec's parameters. Call it on every rank, after ``fully_shard`` and before the first
+    backward pass.
+    """
+    return FSDPCompressionState(model, codec, **options)

@@ -1,0 +1,173 @@
+"""Multi-process workers for the FSDP2 reduce-scatter tests (gloo on CPU, launched by ddp_workers).
+
+Each worker asserts on all-gathered values (``assert_all_ranks``), so a failure fails every
+rank instead of leaving the others blocked in a collective.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+
+import commpress
+import commpress.fsdp
+from commpress.errors import ConfigurationError
+
+from ddp_workers import Net, assert_all_ranks, batch
+
+# (codec, options): every fixed-size codec.
+MATRIX_CASES: list[tuple[str, dict[str, Any]]] = [
+    ("none", {}),
+    ("fp16", {}),
+    ("bf16", {}),
+    ("topk", {"ratio": 0.01}),
+    ("topk", {"ratio": 0.01, "residual_dtype": torch.bfloat16}),
+    ("randomk", {"ratio": 0.05}),
+    ("randomk", {"ratio": 0.05, "scaled": True}),
+    ("sign", {"block_size": 256}),
+    ("qsgd", {"bits": 4}),
+]
+
+
+def make_fsdp(seed: int = 0) -> Net:
+    """The DDP tests' Net with every Linear sharded, then the root (LayerNorm on the root)."""
+    torch.manual_seed(seed)
+    model = Net()
+    for layer in (model.inp, model.h1, model.h2, model.h3, model.out):
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def full_params(model: nn.Module) -> torch.Tensor:
+    """Every parameter gathered whole (a collective: call on every rank)."""
+    return torch.cat([p.detach().full_tensor().reshape(-1) for p in model.parameters()])  # type: ignore[operator]
+
+
+def train(model: nn.Module, rank: int, steps: range, *, poison: int = -1, lr: float = 0.05) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for step in steps:
+        x, y = batch(rank, step)
+        if step == poison and rank == 0:
+            x = x * float("inf")
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        if step == poison:  # GradScaler's role: skip a step whose gradients are not finite
+            grads = [p.grad.to_local() for p in model.parameters() if p.grad is not None]  # type: ignore[attr-defined]
+            assert_all_ranks(not all(bool(torch.isfinite(g).all()) for g in grads), "poisoned step not NaN")
+            continue
+        opt.step()
+
+
+def worker_matrix(rank: int, world: int, steps: int, outdir: str) -> None:
+    """``none`` == FSDP bit for bit; every codec trains with finite, rank-consistent results."""
+    reference = make_fsdp()
+    train(reference, rank, range(steps))
+    ref = full_params(reference)
+    report: dict[str, Any] = {}
+    for codec, opts in MATRIX_CASES:
+        model = make_fsdp()
+        state = commpress.fsdp.register(model, codec, **opts)
+        train(model, rank, range(steps))
+        got = full_params(model)
+        label = codec + json.dumps({k: str(v) for k, v in opts.items()}, sort_keys=True)
+        assert_all_ranks(bool(torch.isfinite(got).all()), f"{label}: non-finite parameters")
+        if codec == "none":
+            assert_all_ranks(torch.equal(got, ref), "codec none differs from FSDP's own reduce-scatter")
+        else:
+            assert_all_ranks(not torch.equal(got, ref), f"{label}: compression changed nothing")
+            # close to uncompressed training after a few steps (lr 0.05): a wrong shard is far
+            # (scaled random-k multiplies the variance by 1/ratio: a looser bound)
+            drift = float((got - ref).norm() / (ref - full_params(make_fsdp())).norm().clamp_min(1e-12))
+            limit = 5.0 if opts.get("scaled") else 1.0
+            assert_all_ranks(drift < limit, f"{label}: drift {drift:.3f} of the dense update")
+        s = state.stats()
+        expected = _expected_residual_bytes(state)
+        assert_all_ranks(s["residual_bytes"] == expected, f"{label}: residual bytes {s['residual_bytes']} != {expected}")
+        assert_all_ranks(s["steps"] == steps, f"{label}: {s['steps']} steps counted")
+        report[label] = {k: s[k] for k in ("compression_ratio", "residual_bytes", "bytes_sent_per_step")}
+    if rank == 0:
+        (Path(outdir) / f"fsdp_matrix_{world}.json").write_text(json.dumps(report, indent=1))
+
+
+def _expected_residual_bytes(state: commpress.fsdp.FSDPCompressionState) -> int:
+    """(n-1) chunks of every compressed parameter, in the residual dtype; 0 without feedback."""
+    if not state.uses_feedback:
+        return 0
+    size = torch.empty(0, dtype=state.residual_dtype).element_size()
+    chunks = sum(p.chunk_numel for m in state.modules for p in m.params if p.compressed)
+    return (state.world_size - 1) * chunks * size
+
+
+def worker_nonfinite(rank: int, world: int) -> None:
+    """An Inf on rank 0 makes that step's gradients NaN on every rank; residuals untouched."""
+    model = make_fsdp()
+    state = commpress.fsdp.register(model, "topk", ratio=0.05)
+    train(model, rank, range(3))
+    before = {k: v.clone() for k, v in state.residuals().items()}
+    train(model, rank, range(3, 4), poison=3)
+    after = state.residuals()
+    same = sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)
+    assert_all_ranks(same, "a voided step changed the residuals")
+    assert_all_ranks(state.stats()["nonfinite_slots"] > 0, "no slot counted as non-finite")
+    train(model, rank, range(4, 6))
+    assert_all_ranks(bool(torch.isfinite(full_params(model)).all()), "training did not recover")
+
+
+def worker_checkpoint(rank: int, world: int, codec: str, opts: dict[str, Any]) -> None:
+    """Stop after 3 steps, save model shards and the commpress state, resume in fresh objects:
+    the final parameters equal an uninterrupted 6-step run bit for bit."""
+    whole = make_fsdp()
+    commpress.fsdp.register(whole, codec, **opts)
+    train(whole, rank, range(6))
+    expected = full_params(whole)
+
+    first = make_fsdp()
+    state = commpress.fsdp.register(first, codec, **opts)
+    train(first, rank, range(3))
+    buf = io.BytesIO()
+    torch.save(state.state_dict(), buf)
+    shards = {k: v.to_local().clone() for k, v in first.state_dict().items()}
+    second = make_fsdp(seed=1)  # different initialisation: everything must come from the checkpoint
+    for k, v in second.state_dict().items():
+        v.to_local().copy_(shards[k])
+    resumed = commpress.fsdp.register(second, codec, **opts)
+    buf.seek(0)
+    resumed.load_state_dict(torch.load(buf, weights_only=True))
+    train(second, rank, range(3, 6))
+    assert_all_ranks(torch.equal(full_params(second), expected), f"{codec}: resumed run differs")
+    bad = resumed.state_dict()
+    bad["rank"] = (rank + 1) % world
+    try:
+        resumed.load_state_dict(bad)
+    except ValueError as exc:
+        assert_all_ranks("rank mismatch" in str(exc), f"unclear error: {exc}")
+    else:
+        assert_all_ranks(False, "loading another rank's state did not raise")
+
+
+def worker_checkpoints(rank: int, world: int) -> None:
+    """:func:`worker_checkpoint` for fused (sign), sparse (top-k, bf16 residuals) and unbiased codecs."""
+    worker_checkpoint(rank, world, "sign", {"block_size": 256})
+    worker_checkpoint(rank, world, "topk", {"ratio": 0.05, "residual_dtype": torch.bfloat16})
+    worker_checkpoint(rank, world, "qsgd", {})
+
+
+def worker_misconfigured(rank: int, world: int) -> None:
+    """Ranks registering different codecs fail with a clear error on every rank."""
+    model = make_fsdp()
+    try:
+        commpress.fsdp.register(model, "sign", block_size=256 if rank == 0 else 128)
+    except ConfigurationError as exc:
+        assert_all_ranks("configured differently" in str(exc), f"unclear error: {exc}")
+    else:
+        assert_all_ranks(False, "different configurations were not detected")
+    dist.barrier()
