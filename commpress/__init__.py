@@ -19,13 +19,13 @@ from .wire.packet import Packet
 
 __version__ = "0.1.0"
 __all__ = [
-    "CodecError", "ErrorFeedback", "Packet", "WireError", "codecs", "comm", "ddp", "feedback",
+    "CodecError", "ErrorFeedback", "Packet", "WireError", "codecs", "comm", "ddp", "feedback", "fsdp",
     "info", "ps", "wire",
 ]
 
 # Loaded on first use: they import torch.distributed (and mpi4py for ps), which plain codec
 # users do not need.
-_LAZY = ("comm", "ddp", "ps")
+_LAZY = ("comm", "ddp", "fsdp", "ps")
 
 
 def __getattr__(name: str) -> ModuleType:

@@ -11,7 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import fsdp_workers as fw
 import pytest
 import torch
 
@@ -19,6 +18,7 @@ import commpress.fsdp
 from commpress.errors import CodecError
 
 import ddp_workers as w
+import fsdp_workers as fw
 
 ROOT = Path(__file__).resolve().parents[1]
 

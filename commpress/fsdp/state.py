@@ -23,9 +23,6 @@ The rank's own chunk is never compressed (added exactly), so it needs no residua
 
 from __future__ import annotations
 
-import datetime
-import hashlib
-import json
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -38,7 +35,8 @@ from torch.distributed.fsdp import FSDPModule
 
 from .. import codecs
 from ..codecs import Bf16Codec, Codec, Fp16Codec, NoneCodec
-from ..comm import CommStats, Slot, StepContext, all_gather_single, piece_key
+from ..comm import CommStats, Slot, StepContext, piece_key
+from ..comm.agreement import check_same_config
 from ..comm.reducescatter import reduce_scatter
 from ..errors import CodecError, ConfigurationError
 from ..feedback import ErrorFeedback
@@ -141,7 +139,8 @@ class FSDPCompressionState:
         min_numel, dense_1d, compress_filter: which parameters are compressed (the DDP rule:
             ``commpress.selection.SelectionRule`` on the full parameter shape).
         seed: base of every derived seed; torch's global RNG is never used.
-        verify: all-gather a fingerprint of the configuration at construction so ranks set up
+        verify: compare a digest of the configuration across ranks at construction (through the
+            process group's store, as DDP's ``register`` does) so ranks set up
             differently fail with :class:`ConfigurationError` instead of hanging.
         **codec_params: codec parameters when ``codec`` is a name.
     """
@@ -286,26 +285,10 @@ class FSDPCompressionState:
         }
 
     def _verify_ranks(self, timeout_s: float) -> None:
-        """Fail on every rank, instead of hanging, when ranks register differently or not at all."""
-        if dist.get_backend(self._group) == "gloo":
-            try:
-                dist.monitored_barrier(self._group, timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
-            except RuntimeError as exc:
-                raise ConfigurationError(
-                    f"commpress: rank {self.rank} registered but not every rank did within {timeout_s:g} s: "
-                    f"call commpress.fsdp.register on every rank ({exc})"
-                ) from None
-        blob = json.dumps(self.config(), sort_keys=True).encode()
-        digest = int.from_bytes(hashlib.sha256(blob).digest()[:7], "little")
-        mine = torch.tensor([digest], dtype=torch.int64)
-        everyone = torch.empty(self.world_size, dtype=torch.int64)
-        all_gather_single(everyone, mine, group=self._group)
-        if bool((everyone != mine).any()):
-            differ = [i for i, d in enumerate(everyone.tolist()) if d != digest]
-            raise ConfigurationError(
-                f"commpress: ranks {differ} are configured differently from rank {self.rank} "
-                "(codec, options or model): every rank must register the same"
-            )
+        """Fail on every rank, never hang, when ranks register differently or not at all."""
+        summary = f"{self.codec!r}, residual_dtype={self.residual_dtype}, {len(self.modules)} FSDP modules"
+        check_same_config(self.config(), summary=summary, group=self._group, timeout_s=timeout_s,
+                          what="commpress.fsdp.register")
 
     # ----- the reduce-scatter ------------------------------------------------------------------
     def reduce(
