@@ -45,31 +45,6 @@ VERIFY_TIMEOUT_S = 60
 logger = logging.getLogger("commpress")
 
 
-#: Codec parameters whose DDP default differs from the codec's own. Random-k: unscaled, with error
-#: feedback (which then holds the momentum, optimizer=): measured on the digits MLP with SGD
-#: momentum 0.9, scaled random-k 1% ended at chance (8.6%; its variance is ~100x the gradient's),
-#: unscaled 94.2%. The parameter server keeps the codec's scaled default (it needs it there).
-DDP_CODEC_DEFAULTS: dict[str, dict[str, Any]] = {"randomk": {"scaled": False}}
-
-
-def _resolve_codec(codec: str | Codec, codec_params: dict[str, Any]) -> Codec:
-    if isinstance(codec, Codec):
-        if codec_params:
-            raise CodecError(f"unknown option(s) {sorted(codec_params)} (codec parameters go to codecs.get)")
-        resolved = codec
-    elif isinstance(codec, str):
-        resolved = codecs.get(codec, **{**DDP_CODEC_DEFAULTS.get(codec, {}), **codec_params})
-    else:
-        raise CodecError(f"codec must be a codec name or a commpress Codec, got {type(codec).__name__}")
-    if not resolved.fixed_size:
-        # every rank must know every buffer's size before the collective
-        raise CodecError(
-            f"{resolved!r} makes packets of data-dependent size, which DDP's collectives cannot "
-            "exchange; use its fixed-size form here (the parameter server takes both)"
-        )
-    return resolved
-
-
 class CompressionState:
     """State of the commpress DDP communication hook (one per DDP model and rank).
 
@@ -157,7 +132,7 @@ class CompressionState:
         divergence_guard: DivergenceGuard | bool = True,
         **codec_params: Any,
     ) -> None:
-        self.codec = _resolve_codec(codec, codec_params)
+        self.codec = comm.resolve_codec(codec, codec_params, "DDP's collectives")
         if error_feedback is None:
             error_feedback = not self.codec.unbiased
         for name, value in (

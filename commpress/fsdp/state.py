@@ -35,7 +35,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from .. import codecs
 from ..codecs import Bf16Codec, Codec, Fp16Codec, NoneCodec
-from ..comm import CommStats, Slot, StepContext, piece_key
+from ..comm import CommStats, Slot, StepContext, piece_key, resolve_codec
 from ..comm.agreement import check_same_config
 from ..comm.reducescatter import reduce_scatter
 from ..errors import CodecError, ConfigurationError
@@ -47,9 +47,6 @@ STATE_FORMAT = 1
 VERIFY_TIMEOUT_S = 60
 logger = logging.getLogger("commpress")
 
-#: Codec parameters whose default here differs from the codec's own (the DDP hook's choice,
-#: measured there: scaled random-k 1% ended at chance on the digits MLP, unscaled 94.2%).
-FSDP_CODEC_DEFAULTS: dict[str, dict[str, Any]] = {"randomk": {"scaled": False}}
 #: Residual dtypes on offer: float32 (exact error feedback) or bfloat16 (half the memory).
 RESIDUAL_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -81,23 +78,6 @@ class ModulePlan:
     def chunk_numel(self) -> int:
         """Elements of one chunk (one rank's shard of every parameter, padded)."""
         return sum(p.chunk_numel for p in self.params)
-
-
-def _resolve_codec(codec: str | Codec, codec_params: dict[str, Any]) -> Codec:
-    if isinstance(codec, Codec):
-        if codec_params:
-            raise CodecError(f"unknown option(s) {sorted(codec_params)} (codec parameters go to codecs.get)")
-        resolved = codec
-    elif isinstance(codec, str):
-        resolved = codecs.get(codec, **{**FSDP_CODEC_DEFAULTS.get(codec, {}), **codec_params})
-    else:
-        raise CodecError(f"codec must be a codec name or a commpress Codec, got {type(codec).__name__}")
-    if not resolved.fixed_size:
-        raise CodecError(
-            f"{resolved!r} makes packets of data-dependent size, which the all_to_all cannot exchange; "
-            "use its fixed-size form"
-        )
-    return resolved
 
 
 class CompressedReduceScatter:
@@ -165,7 +145,7 @@ class FSDPCompressionState:
         verify_timeout: float = VERIFY_TIMEOUT_S,
         **codec_params: Any,
     ) -> None:
-        self.codec = _resolve_codec(codec, codec_params)
+        self.codec = resolve_codec(codec, codec_params, "the all_to_all")
         if error_feedback is None:
             error_feedback = not self.codec.unbiased
         for name, value in (("error_feedback", error_feedback), ("dense_1d", dense_1d), ("verify", verify)):
