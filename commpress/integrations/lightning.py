@@ -32,6 +32,7 @@ import logging
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
@@ -100,6 +101,12 @@ class CompressionCallback(Callback):
         optimizer = self._optimizer(trainer)
         carried = self.state.state_dict() if self.state is not None else None  # a second fit()
         self.state = commpress.ddp.register(model, self.codec, optimizer=optimizer, **self.options)
+        group = self.state.process_group
+        if group is not None and dist.get_global_rank(group, 0) != 0:
+            raise ValueError(
+                "CompressionCallback gathers every rank's state on the process group's rank 0, which must "
+                "be global rank 0 (the rank that writes Lightning's checkpoints)"
+            )
         device = self._device = trainer.strategy.root_device
         if self._pending is not None:
             own = ranks.own_state(self._pending, self.state.rank, self.state.world_size, device)
@@ -132,7 +139,8 @@ class CompressionCallback(Callback):
     def state_dict(self) -> dict[str, Any]:
         """Every rank's compression state, gathered on global rank 0 (which writes the checkpoint).
 
-        A collective: Lightning calls it on every rank when it saves. Empty before ``fit``.
+        A collective: Lightning calls it on every rank when it saves (call
+        ``trainer.save_checkpoint`` on every rank, as Lightning requires). Empty before ``fit``.
         """
         if self.state is None:
             return {}
