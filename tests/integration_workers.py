@@ -126,3 +126,21 @@ if __name__ == "__main__":
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     framework, mode, out_dir = sys.argv[1:4]
     {"lightning": run_lightning, "accelerate": run_accelerate}[framework](mode, Path(out_dir))
+
+
+def worker_gather(rank: int, world: int) -> None:
+    """gather_states on spawned gloo ranks: rank 0 gets every rank's state, in rank order."""
+    from commpress.integrations import ranks
+
+    def state(r: int) -> dict:
+        return {"rank": r, "res": {"w": torch.full((r + 1, 3), float(r))}, "empty": torch.zeros(0), "tag": "x" * r}
+
+    got = ranks.gather_states(state(rank))
+    if rank != 0:
+        assert got is None
+        return
+    assert got is not None and len(got) == world
+    for r, s in enumerate(got):
+        want = state(r)
+        assert s["rank"] == r and s["tag"] == want["tag"] and torch.equal(s["res"]["w"], want["res"]["w"])
+        assert s["empty"].shape == (0,)

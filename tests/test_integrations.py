@@ -17,10 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from integration_workers import worker_gather
 
 from commpress.integrations import ranks
 
-from ddp_workers import free_port
+from ddp_workers import free_port, launch
 
 pytest.importorskip("lightning")
 pytest.importorskip("accelerate")
@@ -90,6 +91,10 @@ def test_accelerate_register_resumes_exactly(tmp_path: Path) -> None:
         assert full[r]["step"] == resumed[r]["step"] == 16
         assert not same_params(full[r]["params"], control[r]["params"])
         assert control[r]["step"] == 8
+
+
+def test_gather_states_collects_every_rank_in_order() -> None:
+    launch(worker_gather, 3, timeout=120)
 
 
 # ----- single process: the byte form ------------------------------------------------------------
