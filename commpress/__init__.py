@@ -19,13 +19,13 @@ from .wire.packet import Packet
 
 __version__ = "0.1.0"
 __all__ = [
-    "CodecError", "ErrorFeedback", "Packet", "WireError", "codecs", "comm", "ddp", "feedback", "fsdp",
+    "CodecError", "ErrorFeedback", "Packet", "WireError", "codecs", "comm", "ddp", "feedback", "fsdp", "integrations",
     "info", "ps", "wire",
 ]
 
 # Loaded on first use: they import torch.distributed (and mpi4py for ps), which plain codec
 # users do not need.
-_LAZY = ("comm", "ddp", "fsdp", "ps")
+_LAZY = ("comm", "ddp", "fsdp", "integrations", "ps")
 
 
 def __getattr__(name: str) -> ModuleType:
