@@ -36,7 +36,14 @@ def hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Futu
     state.before_bucket()
     if state.momentum_rules:
         state.apply_momentum(plan, buffer)
-    if state.dense_step():
+    warmup_codec = state.warmup_codec_now()
+    if warmup_codec is not None:  # warm-up through an unbiased codec: no residuals to keep or flush
+        seeds = [state.param_seed(p) for p in plan.params]
+        fut = comm.run(
+            comm.default_algorithm(warmup_codec, state.world_size), buffer, plan.slots(warmup_codec, seeds, None),
+            group=state.process_group, stats=state.counters,
+        )
+    elif state.dense_step():
         state.flush_residuals(plan, buffer)  # a guard's dense step sends what was held back
         fut = comm.allreduce_mean(buffer, group=state.process_group, stats=state.counters)
     else:

@@ -60,7 +60,9 @@ class CompressionState:
             residual grows geometrically; measured, qsgd(bits=4) + error feedback diverged.
             Never applied to none/fp16/bf16 (rounding only).
         warmup_steps: the first ``warmup_steps`` communication steps are plain dense
-            all-reduces (as DGC and 1-bit Adam do).
+            all-reduces (as DGC and 1-bit Adam do), or use ``warmup_codec``.
+        warmup_codec: a codec without error feedback (``"qsgd"``, ``"fp16"``, ...) for the
+            warm-up steps instead of the dense all-reduce; ``None`` (default): dense.
         min_numel, dense_1d: parameters with fewer elements, or 1-D ones (biases, norms), stay
             dense; ``compress_filter(name, param) -> bool`` replaces this rule.
         process_group: defaults to the DDP model's process group (else the default group).
@@ -106,7 +108,7 @@ class CompressionState:
 
     __slots__ = (
         "process_group", "world_size", "rank", "codec", "algorithm", "error_feedback",
-        "warmup_steps", "seed", "step", "plans", "plans_by_id", "feedback", "server_feedback",
+        "warmup_steps", "warmup_codec", "seed", "step", "plans", "plans_by_id", "feedback", "server_feedback",
         "momentum", "momentum_masking", "velocity", "_bucket_plans", "_stats", "momentum_rules",
         "optimizer", "guard", "adam", "_verify_pending", "_stats_from_step",
     )
@@ -118,6 +120,7 @@ class CompressionState:
         *,
         error_feedback: bool | None = None,
         warmup_steps: int = 0,
+        warmup_codec: str | Codec | None = None,
         min_numel: int = 1024,
         dense_1d: bool = True,
         compress_filter: CompressFilter | None = None,
@@ -173,6 +176,9 @@ class CompressionState:
         self.algorithm = check_algorithm(algorithm, self.codec, self.world_size)
         self.error_feedback = error_feedback
         self.warmup_steps = warmup_steps
+        self.warmup_codec = None if warmup_codec is None else comm.resolve_codec(warmup_codec, {}, "DDP's collectives")
+        if self.warmup_codec is not None and not (self.warmup_codec.unbiased or self.warmup_codec.cast_dtype is not None):
+            raise CodecError(f"warmup_codec must be unbiased or a cast (no error feedback in the warm-up), got {self.warmup_codec!r}")
         self.seed = seed
         self.step = 0
         self.plans_by_id, self.plans = plan_parameters(
@@ -228,6 +234,7 @@ class CompressionState:
             "algorithm": self.algorithm,
             "error_feedback": self.error_feedback,
             "warmup_steps": self.warmup_steps,
+            "warmup_codec": None if self.warmup_codec is None else self.warmup_codec.config(),
             "seed": self.seed,
             "momentum": self.momentum,
             "momentum_rules": {k: r.as_list() for k, r in sorted(self.momentum_rules.items())},
@@ -325,6 +332,10 @@ class CompressionState:
     def dense_step(self) -> bool:
         """True while the current step is dense: warm-up, or the divergence guard's dense steps."""
         return self.step < self.warmup_steps or self.guard.dense_now()
+
+    def warmup_codec_now(self) -> Codec | None:
+        """The codec of this warm-up step, or None for a dense all-reduce (also after warm-up)."""
+        return self.warmup_codec if self.step < self.warmup_steps else None
 
     def flush_residuals(self, plan: BucketPlan, buffer: torch.Tensor) -> None:
         """Add this rank's residuals into a dense step's gradients and zero them (nothing lost).
