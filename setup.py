@@ -141,7 +141,8 @@ def find_cuda_toolkit(torch_cuda: str | None) -> tuple[str | None, str]:
         if torch_cuda and version.split(".")[0] != torch_cuda.split(".")[0]:
             rejected.append(f"{path} ({why}): nvcc is CUDA {version}, torch is built for CUDA {torch_cuda}")
             continue
-        return path, f"{path} (found via {why}; nvcc CUDA {version})"
+        skipped = f"; skipped {'; '.join(rejected)}" if rejected else ""
+        return path, f"{path} (found via {why}; nvcc CUDA {version}){skipped}"
     return None, "; ".join(rejected) or "no nvcc on PATH, no $CUDA_HOME, nothing in /usr/local/cuda*"
 
 
