@@ -23,7 +23,8 @@ fi
 # compiled file (ninja's [n/total]); the full output goes to $VENV/build.log.
 echo "[commpress] building the extension (pip install --no-build-isolation -e .; log: $VENV/build.log)" >&2
 build_start=$(date +%s)
-if ! "${PIP[@]}" install -v --no-build-isolation --no-deps -e "$ROOT" 2>&1 | tee "$VENV/build.log" | awk '
+# (-v without -q: pip shows the build's output only at verbosity 1)
+if ! "$VENV/bin/python" -m pip --disable-pip-version-check install -v --no-build-isolation --no-deps -e "$ROOT" 2>&1 | tee "$VENV/build.log" | awk '
     /^ *\[commpress setup\]/ { sub(/^ */, ""); print; fflush(); next }
     /^ *\[[0-9]+\/[0-9]+\] / {
       src = ""; n = split($0, a, " ")
