@@ -238,11 +238,13 @@ def native_extensions() -> tuple[list, dict]:
     jobs = os.environ.get("MAX_JOBS") or str(os.cpu_count() or 1)
     os.environ["MAX_JOBS"] = jobs
     scripts_dir = os.path.dirname(sys.executable)
-    if shutil.which("ninja") is None and os.path.isfile(os.path.join(scripts_dir, "ninja")):
-        # pip's `ninja` package in a venv that is not activated: torch looks for it on PATH
+    if os.path.isfile(os.path.join(scripts_dir, "ninja")):
+        # The venv's own ninja (pip's package), whether or not the venv is activated: torch runs
+        # `ninja` from PATH, and two ninja versions alternating on one build/ folder (the
+        # system's 1.11, pip's 1.13) discard each other's logs and recompile everything.
         os.environ["PATH"] = scripts_dir + os.pathsep + os.environ.get("PATH", "")
     have_ninja = shutil.which("ninja") is not None
-    plan.append(f"compiling with {'ninja, ' + jobs + ' parallel jobs (MAX_JOBS)' if have_ninja else 'one file at a time: ninja is not installed (pip install ninja)'}")
+    plan.append(f"compiling with {'ninja (' + str(shutil.which('ninja')) + '), ' + jobs + ' parallel jobs (MAX_JOBS)' if have_ninja else 'one file at a time: ninja is not installed (pip install ninja)'}")
 
     class TimedBuildExtension(BuildExtension):
         """torch's BuildExtension that keeps its objects in build/ and reports its time."""
