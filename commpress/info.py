@@ -1,8 +1,13 @@
-"""What this installation can do: which backends and optional libraries are present."""
+"""What this installation can do: which backends are present and which one runs each op.
+
+``python -m commpress info`` prints it; an install (pure-Python or native wheel, CPU or CUDA
+torch) is checked by reading it (tests/test_install.py, scripts/cuda_build_check.sh).
+"""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 from typing import Any
 
 import torch
@@ -23,26 +28,59 @@ def _cuda_sources_present() -> bool:
     return all((CSRC / "cuda" / f"{unit}.cu").is_file() for unit in UNITS)
 
 
-def info() -> dict[str, Any]:
-    """Report versions, native kernels per device, optional libraries and codecs.
+def _cuda_backend(op: str, cupy_installed: bool) -> str:
+    """The backend that would run ``op`` on a CUDA tensor, read without touching a GPU.
 
-    Never initialises CUDA: kernel availability is read from torch's dispatcher registry.
+    The order of :func:`commpress.kernels.ops.backend_for`, except that CuPy counts when it is
+    installed with the kernel sources: whether a device is usable is asked only when an op runs.
+    """
+    preferred = os.environ.get("COMMPRESS_BACKEND", "")
+    order: tuple[str, ...] = ops.BACKEND_ORDER["cuda"]
+    if preferred in ops.BACKEND_NAMES:
+        order = (preferred, *order)
+    for name in order:
+        if name == "native" and ops.has_native(op, "cuda"):
+            return name
+        if name == "cupy" and cupy_installed:
+            return name
+        if name == "reference":
+            return name
+    return "reference"
+
+
+def info() -> dict[str, Any]:
+    """Report versions, native kernels per device, the backend of each op, libraries and codecs.
+
+    Never initialises CUDA: kernel availability is read from torch's dispatcher registry, so a
+    CUDA build of the extension lists its CUDA kernels on a machine without a GPU.
     """
     from . import __version__
 
     reason = ops.load_native()
+    native_ops = ops.native_ops()
+    cupy_installed = _has_module("cupy") and _cuda_sources_present()
     return {
         "commpress": __version__,
+        "location": os.path.dirname(os.path.abspath(__file__)),
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
-        "native": {"loaded": reason is None, "reason": reason, "ops": ops.native_ops()},
+        "native": {"loaded": reason is None, "reason": reason, "ops": native_ops},
         "backends": {
             "reference": True,
-            "cpu": any("cpu" in d for d in ops.native_ops().values()),
-            "cuda": any("cuda" in d for d in ops.native_ops().values()),
+            "cpu": any("cpu" in d for d in native_ops.values()),
+            "cuda": any("cuda" in d for d in native_ops.values()),
             # installed, not probed: whether a GPU is usable is asked only when an op runs
             "numba (cpu)": _has_module("numba"),
-            "cupy (cuda)": _has_module("cupy") and _cuda_sources_present(),
+            "cupy (cuda)": cupy_installed,
+        },
+        # which backend runs each op for a tensor on that device (ops.backend_for's order)
+        "op_backends": {
+            op: {
+                "cpu": ops.backend_for(op, "cpu"),
+                # a CPU build of torch has no CUDA tensors to run anything on
+                "cuda": _cuda_backend(op, cupy_installed) if torch.version.cuda else None,
+            }
+            for op in native_ops
         },
         "optional": {name: _has_module(name) for name in ("numba", "cupy", "mpi4py", "tqdm")},
         "codecs": available(),
@@ -50,16 +88,26 @@ def info() -> dict[str, Any]:
 
 
 def format_info(report: dict[str, Any]) -> str:
-    """Render :func:`info` as aligned ``key: value`` lines for humans."""
+    """Render :func:`info` as aligned lines for humans: versions, then one row per op."""
     native = report["native"]
+    if native["loaded"]:
+        native_line = "loaded (commpress._C)"
+    elif "No module named 'commpress._C'" in str(native["reason"]):
+        native_line = "not built (pure-Python install; README 'Install' builds it)"
+    else:
+        native_line = f"not loaded: {native['reason']}"
     lines = [
-        f"commpress  {report['commpress']}",
+        f"commpress  {report['commpress']} ({report['location']})",
         f"torch      {report['torch']} (CUDA build: {report['torch_cuda'] or 'no'})",
-        f"native     {'loaded' if native['loaded'] else 'not loaded: ' + str(native['reason'])}",
+        f"native     {native_line}",
+        "backends   " + ", ".join(k for k, v in report["backends"].items() if v),
+        "",
+        f"  {'op':<20} {'native kernels':<15} {'runs on CPU':<12} runs on CUDA",
     ]
     for op, devices in native["ops"].items():
-        lines.append(f"  {op:<14} {', '.join(devices) or '-'}")
-    lines.append("backends   " + ", ".join(k for k, v in report["backends"].items() if v))
+        chosen = report["op_backends"][op]
+        lines.append(f"  {op:<20} {', '.join(devices) or '-':<15} {chosen['cpu']:<12} {chosen['cuda'] or '- (CPU torch)'}")
+    lines.append("")
     lines.append(
         "optional   "
         + ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in report["optional"].items())

@@ -11,15 +11,31 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON_BIN" -m venv "$VENV"
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
-# Requirements are re-installed only when the file changed (stamp = its hash).
+# Requirements are re-installed only when a requirements file changed (stamp = their hash).
 stamp="$VENV/.commpress-requirements"
-want=$(sha256sum "$ROOT/requirements/dev.txt" | cut -d' ' -f1)
+want=$(cat "$ROOT"/requirements/*.txt | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "[commpress] installing pinned requirements (torch==2.13.0 CPU, numba, pytest, ...)" >&2
   "${PIP[@]}" install -r "$ROOT/requirements/dev.txt" 2> >(grep -v "^WARNING: Location" >&2)
   echo "$want" > "$stamp"
 fi
-echo "[commpress] building the extension (pip install --no-build-isolation -e .)" >&2
-"${PIP[@]}" install --no-build-isolation --no-deps -e "$ROOT" 2> >(grep -v "^WARNING: Location" >&2)
+# The native build says what it does: setup.py's "[commpress setup]" lines and one line per
+# compiled file (ninja's [n/total]); the full output goes to $VENV/build.log.
+echo "[commpress] building the extension (pip install --no-build-isolation -e .; log: $VENV/build.log)" >&2
+build_start=$(date +%s)
+# (-v without -q: pip shows the build's output only at verbosity 1)
+if ! "$VENV/bin/python" -m pip --disable-pip-version-check install -v --no-build-isolation --no-deps -e "$ROOT" 2>&1 | tee "$VENV/build.log" | awk '
+    /^ *\[commpress setup\]/ { sub(/^ */, ""); print; fflush(); next }
+    /^ *\[[0-9]+\/[0-9]+\] / {
+      src = ""; n = split($0, a, " ")
+      for (i = 1; i < n; i++) if (a[i] == "-c" && a[i + 1] !~ /^-/) src = a[i + 1]
+      sub(/.*\/csrc\//, "csrc/", src)
+      print "[commpress setup] " a[1] " " src; fflush()
+    }' >&2; then
+  tail -40 "$VENV/build.log" >&2
+  echo "[commpress] build failed (full log: $VENV/build.log)" >&2
+  exit 1
+fi
+echo "[commpress] installed in $(( $(date +%s) - build_start )) s" >&2
 export PATH="$VENV/bin:$PATH"
 PY="$VENV/bin/python"

@@ -10,8 +10,10 @@
 # Results (test log, benchmark table as text and markdown, versions) go to $OUT_DIR
 # (default: out/gpu-check/ in the checkout). A few minutes on an H100/H200.
 #
-# Needs: an NVIDIA driver (nvidia-smi), a CUDA toolkit (nvcc on PATH or in /usr/local/cuda),
-# Python >= 3.11 with a CUDA build of torch, and numpy, pytest, hypothesis. The pinned CPU torch
+# Needs: an NVIDIA driver (nvidia-smi), a CUDA toolkit of torch's CUDA major version (found as
+# setup.py finds it: $CUDA_HOME, nvcc on PATH even behind a wrapper script, /usr/local/cuda*),
+# Python >= 3.11 with a CUDA build of torch; numpy, pytest, pytest-timeout, hypothesis,
+# setuptools, wheel and ninja are installed into it when missing. The pinned CPU torch
 # of requirements/dev.txt cannot compile CUDA code, so the script looks for a CUDA torch in
 # $PYTHON, then the checkout's .venv, then python3, and stops with instructions if none has one.
 #
@@ -25,21 +27,11 @@ OUT_DIR=${OUT_DIR:-$ROOT/out/gpu-check}
 mkdir -p "$OUT_DIR"
 log() { echo "[gpu_check] $*" >&2; }
 
-# ----- the GPU and the toolkit -----------------------------------------------------------------
+# ----- the GPU -----------------------------------------------------------------------------------
 if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
   log "no NVIDIA GPU visible (nvidia-smi failed); this script needs one"
   exit 2
 fi
-if ! command -v nvcc >/dev/null 2>&1; then
-  for d in "${CUDA_HOME:-}" /usr/local/cuda; do
-    if [ -n "$d" ] && [ -x "$d/bin/nvcc" ]; then export PATH="$d/bin:$PATH"; break; fi
-  done
-fi
-if ! command -v nvcc >/dev/null 2>&1; then
-  log "no CUDA toolkit: nvcc is neither on PATH nor in \$CUDA_HOME/bin or /usr/local/cuda/bin"
-  exit 2
-fi
-export CUDA_HOME=${CUDA_HOME:-$(cd "$(dirname "$(command -v nvcc)")/.." && pwd)}
 
 # ----- a Python with a CUDA build of torch -----------------------------------------------------
 PY=""
@@ -59,22 +51,39 @@ if [ -z "$PY" ]; then
   log "then run:  PYTHON=~/cp-gpu/bin/python bash scripts/gpu_check.sh"
   exit 2
 fi
+# What the build and the tests need (pyproject.toml's pytest options use pytest-timeout).
 missing=$("$PY" - <<'EOF'
 import importlib.util
-print(" ".join(m for m in ("numpy", "pytest", "hypothesis", "setuptools") if importlib.util.find_spec(m) is None))
+need = {"numpy": "numpy", "pytest": "pytest", "pytest_timeout": "pytest-timeout", "hypothesis": "hypothesis",
+        "setuptools": "setuptools>=69", "wheel": "wheel", "ninja": "ninja"}
+print(" ".join(pkg for mod, pkg in need.items() if importlib.util.find_spec(mod) is None))
 EOF
 )
 if [ -n "$missing" ]; then
-  log "installing missing test dependencies into $PY: $missing"
+  log "installing missing build/test dependencies into $PY: $missing"
+  # shellcheck disable=SC2086
   "$PY" -m pip install -q $missing || { log "could not install $missing; install them and rerun"; exit 2; }
 fi
 
-# CuPy (optional): the wheel for torch's CUDA major version, and NVRTC to compile with
+# ----- the CUDA toolkit: the one setup.py will build with --------------------------------------
+# setup.py looks at $CUDA_HOME, $CUDA_PATH, nvcc on PATH (its real folder, seen through wrapper
+# scripts), /usr/local/cuda*, and takes the first with include/cuda_runtime.h and an nvcc of
+# torch's CUDA major version; it says which one and why the others would not do.
+CUDA_MAJOR=$("$PY" -c 'import torch; print(torch.version.cuda.split(".")[0])')
+if ! CUDA_HOME=$(cd "$ROOT" && "$PY" setup.py --cuda-home); then
+  log "no CUDA $CUDA_MAJOR.x toolkit with include/cuda_runtime.h found (above); set CUDA_HOME to one"
+  exit 2
+fi
+export CUDA_HOME
+export PATH="$CUDA_HOME/bin:$PATH"
+
+# CuPy (optional): the wheel for torch's CUDA major version, and NVRTC to compile with (CUDA 13
+# ships it as nvidia-cuda-nvrtc, CUDA 12 as nvidia-cuda-nvrtc-cu12)
 if ! "$PY" -c 'import cupy' 2>/dev/null; then
-  CUDA_MAJOR=$("$PY" -c 'import torch; print(torch.version.cuda.split(".")[0])')
-  log "installing cupy-cuda${CUDA_MAJOR}x for the CuPy backend (skipped if that fails)"
-  "$PY" -m pip install -q "cupy-cuda${CUDA_MAJOR}x" "nvidia-cuda-nvrtc-cu${CUDA_MAJOR}" 2>/dev/null \
-    || "$PY" -m pip install -q "cupy-cuda${CUDA_MAJOR}x" 2>/dev/null \
+  if [ "$CUDA_MAJOR" -ge 13 ]; then NVRTC="nvidia-cuda-nvrtc>=${CUDA_MAJOR},<$((CUDA_MAJOR + 1))"; else NVRTC="nvidia-cuda-nvrtc-cu${CUDA_MAJOR}"; fi
+  log "installing cupy-cuda${CUDA_MAJOR}x and $NVRTC for the CuPy backend (skipped if that fails)"
+  "$PY" -m pip install -q "cupy-cuda${CUDA_MAJOR}x" "$NVRTC" \
+    || "$PY" -m pip install -q "cupy-cuda${CUDA_MAJOR}x" \
     || log "could not install CuPy: its backend tests will be skipped"
 fi
 
@@ -85,7 +94,7 @@ export MAX_JOBS=${MAX_JOBS:-$(nproc)}
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "commit: $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)$(git -C "$ROOT" diff --quiet 2>/dev/null || echo ' (+ local changes)')"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  nvcc --version | tail -1
+  echo "CUDA toolkit: $CUDA_HOME ($(nvcc --version | tail -1))"
   "$PY" -c 'import sys, torch; print(f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda})")'
   echo "TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST"
 } | tee "$OUT_DIR/versions.txt" >&2
@@ -105,6 +114,7 @@ start=$(date +%s)
   log "build failed (full log: $OUT_DIR/build.log)"
   exit 1
 }
+grep -E '^ *\[commpress setup\]' "$OUT_DIR/build.log" | sed 's/^ *//' >&2 || true
 log "built in $(( $(date +%s) - start )) s"
 export PYTHONPATH="$WORK${PYTHONPATH:+:$PYTHONPATH}"
 (cd "$WORK" && "$PY" -c 'import commpress.kernels.ops as o, torch
