@@ -245,3 +245,115 @@ def test_mutated_packets_either_fail_validation_or_decode_finite():
                 out = codec.decode(p)
                 assert torch.isfinite(out).all(), (spec, dtype, trial)
     assert tried > 1000 and accepted > 0
+
+
+# ----- failures 6 and 7: parameter-server checkpoints ----------------------------------------
+def _ckpt():
+    from commpress.ps import checkpoint
+
+    return checkpoint
+
+
+def _state():
+    return {"x": torch.linspace(-1, 1, 6), "optimizer": {"state": {0: {"momentum_buffer": torch.ones(6)}},
+            "param_groups": [{"lr": 0.1, "momentum": 0.9, "params": [0]}]}, "clock": [3, 4], "fingerprint": (1 << 64) - 1}
+
+
+def test_checkpoint_write_does_not_follow_a_planted_symlink(tmp_path):
+    ckpt = _ckpt()
+    d = tmp_path / "ck"
+    d.mkdir()
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    path = ckpt.path_for(str(d), 0, 4)
+    # the old code wrote through f"{path}.tmp{pid}": plant links at every name it could use
+    for pid in {os.getpid(), os.getpid() + 1}:
+        os.symlink(victim, f"{path}.tmp{pid}")
+    os.symlink(victim, os.path.join(str(d), "meta.json.tmp%d" % os.getpid()))
+    ckpt.save(str(d), 0, 4, _state())
+    ckpt.write_meta(str(d), {"world": 1})
+    assert victim.read_bytes() == b"precious"
+    assert not os.path.islink(path) and torch.equal(ckpt.load(str(d), 0, 4)["x"], _state()["x"])
+    # a symlink at the final name is replaced, never written through
+    os.remove(path)
+    os.symlink(victim, path)
+    with pytest.raises(Exception, match="symlink|cannot read"):
+        ckpt.load(str(d), 0, 4)
+    ckpt.save(str(d), 0, 4, _state())
+    assert victim.read_bytes() == b"precious" and not os.path.islink(path)
+
+
+def test_checkpoint_files_are_private(tmp_path):
+    ckpt = _ckpt()
+    d = str(tmp_path / "ck")
+    old = os.umask(0o022)
+    try:
+        path = ckpt.save(d, 0, 4, _state())
+        ckpt.write_meta(d, {"world": 1})
+    finally:
+        os.umask(old)
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    assert os.stat(os.path.join(d, "meta.json")).st_mode & 0o777 == 0o600
+    assert os.stat(d).st_mode & 0o077 == 0
+    assert sorted(os.listdir(d)) == ["meta.json", os.path.basename(path)]  # no temp files left
+
+
+def test_checkpoint_flipped_byte_is_rejected_as_corrupt(tmp_path):
+    from commpress.ps import ConfigError
+
+    ckpt = _ckpt()
+    d = str(tmp_path)
+    path = ckpt.save(d, 0, 4, _state())
+    data = bytearray(open(path, "rb").read())
+    for i in (len(data) // 2, len(data) - 30, ckpt.HEADER_NBYTES + 3):
+        bad = bytearray(data)
+        bad[i] ^= 0x10
+        open(path, "wb").write(bad)
+        with pytest.raises(ConfigError, match="corrupt"):
+            ckpt.load(d, 0, 4)
+    open(path, "wb").write(data[:-100])  # a truncated write
+    with pytest.raises(ConfigError, match="corrupt"):
+        ckpt.load(d, 0, 4)
+    open(path, "wb").write(data)
+    assert ckpt.load(d, 0, 4)["clock"] == [3, 4]
+
+
+@pytest.mark.parametrize("where, bad, match", [
+    ("x", 3.5e37, "x holds 3.5e\\+37"),
+    ("momentum", 1e30, "momentum_buffer holds 1e\\+30"),
+    ("x", float("nan"), "NaN or Inf"),
+    ("lr", float("inf"), "lr = inf"),
+    ("step", 2**70, "64-bit"),
+])
+def test_checkpoint_implausible_values_are_rejected(tmp_path, where, bad, match):
+    from commpress.ps import ConfigError
+
+    ckpt = _ckpt()
+    state = _state()
+    if where == "x":
+        state["x"][2] = bad
+    elif where == "momentum":
+        state["optimizer"]["state"][0]["momentum_buffer"][0] = bad
+    elif where == "lr":
+        state["optimizer"]["param_groups"][0]["lr"] = bad
+    else:
+        state["clock"][1] = bad
+    # the digest is valid (a careful liar, or a run that diverged): the values are still checked
+    ckpt.save(str(tmp_path), 0, 4, state)
+    with pytest.raises(ConfigError, match=match):
+        ckpt.load(str(tmp_path), 0, 4)
+
+
+def test_checkpoint_shapes_are_checked_against_the_callers_state(tmp_path):
+    from commpress.ps import ConfigError
+
+    ckpt = _ckpt()
+    ckpt.save(str(tmp_path), 0, 4, _state())
+    assert ckpt.load(str(tmp_path), 0, 4, like=_state())["clock"] == [3, 4]
+    bigger = {**_state(), "x": torch.zeros(7)}
+    with pytest.raises(ConfigError, match=r"x is torch.float32 \(6,\), expected torch.float32 \(7,\)"):
+        ckpt.load(str(tmp_path), 0, 4, like=bigger)
+    with pytest.raises(ConfigError, match="replica is missing"):
+        ckpt.load(str(tmp_path), 0, 4, like={**_state(), "replica": torch.zeros(6)})
+    with pytest.raises(ConfigError, match="float64"):
+        ckpt.load(str(tmp_path), 0, 4, like={**_state(), "x": torch.zeros(6, dtype=torch.float64)})
