@@ -357,3 +357,19 @@ def test_checkpoint_shapes_are_checked_against_the_callers_state(tmp_path):
         ckpt.load(str(tmp_path), 0, 4, like={**_state(), "replica": torch.zeros(6)})
     with pytest.raises(ConfigError, match="float64"):
         ckpt.load(str(tmp_path), 0, 4, like={**_state(), "x": torch.zeros(6, dtype=torch.float64)})
+
+
+# ----- failure 6: the CRC is not optional ----------------------------------------------------
+def test_a_sender_clearing_the_crc_flag_is_rejected():
+    from commpress.ps.protocol import FLAG_CRC, TO_SERVER, MsgType, build, parse_header
+
+    msg = build(MsgType.PUSH, shard=0, worker=0, step=1, parts=[b"12345678"], checksum=False)
+    buf = msg.numpy().copy()
+    assert not parse_header(buf, 2, TO_SERVER, require_crc=False).flags & FLAG_CRC  # device-buffer senders
+    with pytest.raises(ProtocolError, match="CRC flag is cleared"):
+        parse_header(buf, 2, TO_SERVER)
+    good = build(MsgType.PUSH, shard=0, worker=0, step=1, parts=[b"12345678"]).numpy().copy()
+    assert parse_header(good, 2, TO_SERVER).flags & FLAG_CRC
+    good[6] = int(good[6]) & ~FLAG_CRC & 0xFF  # a liar clears the flag but keeps the payload
+    with pytest.raises(ProtocolError, match="CRC"):
+        parse_header(good, 2, TO_SERVER)
