@@ -18,7 +18,8 @@ signed level ``q`` (``|q| <= s``):
 A level of 0 costs 1 bit, +-1 and +-2 cost 4, +-3 to +-6 cost 6 (``2N + 2`` bits for
 ``q != 0``), at most ``2 * floor(log2(s + 1)) + 2`` bits per element: :func:`max_nbytes`. The stream has one
 canonical form: :func:`decode` rejects codes longer than s allows, a stream that ends inside
-an element, trailing bytes and non-zero padding, naming the element.
+an element, trailing bytes and non-zero padding, naming the element; a stream shorter than one
+bit per element is rejected before anything is allocated (its output is sized by ``numel``).
 
 The loops run under numba when it is installed (``commpress[numba]``, the dev requirements)
 and as plain Python otherwise (correct, but about 100x slower).
@@ -144,6 +145,12 @@ def decode(stream: torch.Tensor, numel: int, levels: int) -> torch.Tensor:
     """Fields (``q + levels``, uint8) of a gamma stream of ``numel`` levels; WireError if malformed."""
     if stream.dtype != torch.uint8 or stream.dim() != 1:
         raise WireError(f"gamma stream must be a 1-D uint8 tensor, got {stream.dtype} {tuple(stream.shape)}")
+    if not 0 <= numel <= 8 * stream.numel():
+        # every code takes at least one bit: checked before the output is allocated
+        raise WireError(
+            f"section 'levels': a gamma stream of {stream.numel()} bytes cannot hold {numel} codes "
+            "(each takes at least 1 bit)"
+        )
     host = stream.detach().cpu().contiguous()
     fields = np.empty(numel, dtype=np.uint8)
     status, where = _decode(host.numpy(), np.int64(numel), np.int64(levels), np.int64(_floor_log2(levels + 1)), fields)

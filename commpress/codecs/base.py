@@ -21,7 +21,7 @@ from ..wire.packet import FLOAT_DTYPE_CODES, Packet, Section
 
 __all__ = [
     "SUM_CHUNK", "Codec", "NonFiniteError", "all_finite", "check_dtype", "check_finite_section", "check_ratio_k",
-    "check_scales", "compute_dtype", "index_dtype", "ratio_to_k", "require_finite", "scale_dtype",
+    "check_scales", "check_values_fit", "compute_dtype", "index_dtype", "ratio_to_k", "require_finite", "scale_dtype",
     "sqrt_rn", "tree_sum",
 ]
 
@@ -93,10 +93,43 @@ def check_finite_section(packet: Packet, name: str) -> None:
 
 
 def check_scales(packet: Packet, name: str) -> None:
-    """Wire check shared by scaled codecs: a scale section must be finite and >= 0."""
+    """Wire check shared by scaled codecs: scales finite, >= 0 and within the output dtype.
+
+    Sign decodes to ``+-scale`` and QSGD to ``norm * (q / s)`` with ``|q / s| <= 1``, so the
+    largest decoded magnitude is the largest scale, rounded to the packet's dtype: it is finite
+    exactly when the scale is at most ``finfo(dtype).max`` (65504 for float16). The encoders
+    never produce more (a mean or norm of finite values of that dtype, and QSGD's encoder
+    refuses larger norms), so only hostile packets are rejected.
+    """
     scales = packet.sections[name]
-    if scales.numel() and not bool((torch.isfinite(scales) & (scales >= 0)).all()):
+    if not scales.numel():
+        return
+    if not bool((torch.isfinite(scales) & (scales >= 0)).all()):
         raise WireError(f"section {name!r}: scales must be finite and >= 0")
+    limit = torch.finfo(packet.dtype).max
+    if limit < torch.finfo(scales.dtype).max and float(scales.max()) > limit:
+        raise WireError(
+            f"section {name!r}: scale {float(scales.max()):.6g} exceeds {packet.dtype}'s largest value "
+            f"{limit:.6g} (the decode would overflow)"
+        )
+
+
+def check_values_fit(packet: Packet, name: str) -> None:
+    """Wire check: finite values whose conversion to the packet's dtype stays finite.
+
+    Needed where the wire dtype has a wider range than the output (bf16 values decoded into
+    float16: anything above 65504 would become Inf).
+    """
+    check_finite_section(packet, name)
+    values = packet.sections[name]
+    limit = torch.finfo(packet.dtype).max
+    if values.numel() and limit < torch.finfo(values.dtype).max:
+        top = float(values.abs().max())
+        if top > limit:
+            raise WireError(
+                f"section {name!r}: value {top:.6g} exceeds {packet.dtype}'s largest value {limit:.6g} "
+                "(the decode would overflow)"
+            )
 
 
 def ratio_to_k(ratio: float | None, k: int | None, numel: int, name: str) -> int:

@@ -3,7 +3,9 @@
 Deterministic; biased only by rounding (relative error <= 2**-11 for fp16, 2**-8 for bf16, for
 values in the normal range: values below it lose precision, so no contraction bound is stated).
 fp16 overflows above 65504: such input raises :class:`CodecError` instead of sending Inf
-(use ``bf16``, which has float32's range).
+(use ``bf16``, which has float32's range). Likewise float16 input that ``bf16`` rounds beyond
+65504 (65408 and above, to 65536), and on the receiving side a packet whose values do not fit its
+dtype, so a validated packet always decodes to finite values.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 
 from ..errors import CodecError
 from ..wire.packet import Packet, Section
-from .base import Codec, all_finite, check_finite_section, require_finite
+from .base import Codec, all_finite, check_values_fit, require_finite
 
 
 class _CastCodec(Codec):
@@ -38,12 +40,19 @@ class _CastCodec(Codec):
                 f"x has values beyond {self.name}'s range (max {torch.finfo(self.wire_dtype).max}); "
                 f"{self.overflow_hint}"
             )
+        limit = torch.finfo(flat.dtype).max
+        if values.numel() and limit < torch.finfo(self.wire_dtype).max and float(values.abs().max()) > limit:
+            # float16 input of 65408 or more rounds to 65536 in bf16, which float16 cannot hold
+            raise CodecError(
+                f"x has values that round beyond {flat.dtype}'s range in {self.name} "
+                f"(max {limit}); use the fp16 codec for float16 tensors this large"
+            )
         return {"values": values}
 
     @classmethod
     def check_content(cls, packet: Packet) -> None:
-        """Reject non-finite values: the encoder never produces them."""
-        check_finite_section(packet, "values")
+        """Values finite and within the packet dtype's range (the decode stays finite)."""
+        check_values_fit(packet, "values")
 
     def _decode_add(self, packet: Packet, out: torch.Tensor) -> None:
         out.add_(packet.sections["values"].to(out.dtype))

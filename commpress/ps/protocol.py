@@ -8,7 +8,8 @@ offset  size  field
 0       4     ``magic``: ``b"CPPS"``
 4       1     ``version``: 1
 5       1     ``type``: :class:`MsgType`
-6       2     ``flags``: bit 0 ``CRC`` (the crc32 field is valid), bit 1 ``SKIP``
+6       2     ``flags``: bit 0 ``CRC`` (the crc32 field is valid; required unless the
+              receiver allows device-buffer senders), bit 1 ``SKIP``
               (a push without payload: the worker's gradient was not finite)
 8       4     ``shard``: the server's shard index
 12      4     ``worker``: the worker index (sender of a push, receiver of a reply)
@@ -158,11 +159,18 @@ def build(
     return msg
 
 
-def parse_header(buf: np.ndarray, sender: int | None, allowed: frozenset[MsgType]) -> Header:
+def parse_header(
+    buf: np.ndarray, sender: int | None, allowed: frozenset[MsgType], *, require_crc: bool = True
+) -> Header:
     """Validate the header of the received message ``buf`` (the whole message) and return it.
 
     Checks magic, version, type (one of ``allowed``), flags, reserved, the payload length
-    against the received size and, when flagged, the payload's CRC-32.
+    against the received size and the payload's CRC-32. With ``require_crc`` (the default) a
+    message whose sender cleared the ``CRC`` flag is rejected: the checksum is not optional on
+    host transports. Pass False only for a sender that hands MPI device buffers (it cannot
+    checksum them without the host copy it avoids). The CRC catches accidental corruption
+    (a bad link, a truncated or mangled buffer); it is not authentication: any sender can
+    compute a valid one.
     """
     n = len(buf)
     if n < HEADER_NBYTES:
@@ -191,6 +199,8 @@ def parse_header(buf: np.ndarray, sender: int | None, allowed: frozenset[MsgType
         raise ProtocolError(f"nbytes: {what} message, header declares {nbytes} payload bytes, got {n - HEADER_NBYTES}", sender)
     if not math.isfinite(value):
         raise ProtocolError(f"value: not finite ({value})", sender)
+    if require_crc and not flags & FLAG_CRC:
+        raise ProtocolError("flags: the CRC flag is cleared; this transport requires the payload's CRC-32", sender)
     if flags & FLAG_CRC:
         actual = zlib.crc32(np.ascontiguousarray(buf[HEADER_NBYTES:]).data)
         if actual != crc:

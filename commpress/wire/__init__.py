@@ -18,6 +18,7 @@ from .format import (
     ALIGN,
     HEADER_NBYTES,
     MAGIC,
+    MAX_NUMEL,
     VERSION,
     Expect,
     from_bytes,
@@ -30,6 +31,6 @@ from .frame import FrameLayout
 from .packet import FLOAT_DTYPE_CODES, Packet, Section
 
 __all__ = [
-    "ALIGN", "Expect", "FLOAT_DTYPE_CODES", "FrameLayout", "HEADER_NBYTES", "MAGIC", "Packet", "Section",
+    "ALIGN", "Expect", "FLOAT_DTYPE_CODES", "FrameLayout", "HEADER_NBYTES", "MAGIC", "MAX_NUMEL", "Packet", "Section",
     "VERSION", "from_bytes", "packet_extent", "packet_nbytes", "read_packet", "to_bytes",
 ]

@@ -29,6 +29,15 @@ its own length, checked against the most the codec can produce, and the packet's
 from its header (:func:`packet_extent`), so packets can be concatenated in one message. Any violation raises
 :class:`commpress.WireError` naming the field; nothing is ever read outside the buffer and no
 allocation is sized from an unchecked header field. No pickle is involved anywhere.
+
+How big a tensor a packet may describe (``numel``, which sizes the decoded tensor) is decided
+by the receiver, never by the header: with an :class:`Expect` the header must say exactly the
+expected element count (checked before anything else). Without one, ``numel`` is believed only
+up to ``max(max_numel, 8 * len(buf))``: a dense codec needs at least one bit per element, so
+its packets always pass, while a sparse packet (top-k, random-k: a few values standing for
+many elements) may describe at most ``max_numel`` elements, :data:`MAX_NUMEL` (2**24, a
+128 MiB float64 tensor) unless the caller raises it. A 56-byte random-k packet can therefore no
+longer make its receiver allocate gigabytes.
 """
 
 from __future__ import annotations
@@ -51,6 +60,9 @@ VERSION = 1
 ALIGN = 8
 _HEADER = struct.Struct("<4sBBBBQQQQ")
 HEADER_NBYTES = _HEADER.size  # 40
+#: Most elements a packet read without an :class:`Expect` may describe beyond what its bytes
+#: back (8 elements per received byte); see the module docstring.
+MAX_NUMEL = 1 << 24
 _DTYPE_BY_CODE = {code: dt for dt, code in FLOAT_DTYPE_CODES.items()}
 
 if sys.byteorder != "little":  # sections are copied as raw native-endian bytes
@@ -161,14 +173,25 @@ def _check_expected(expect: Expect, name: str, dtype: torch.dtype, numel: int, p
         raise WireError(f"seed: got {seed}, expected {expect.seed}")
 
 
+def _check_numel(numel: int, total: int, max_numel: int) -> None:
+    """Without an expectation: ``numel`` at most ``max_numel`` or 8 per received byte."""
+    if numel > max_numel and numel > 8 * total:
+        raise WireError(
+            f"numel: header claims {numel} elements in a {total}-byte buffer; without an expected "
+            f"tensor a packet may describe at most max(max_numel={max_numel}, 8 per byte received) "
+            "(pass expect=, or a larger max_numel)"
+        )
+
+
 def _parse_head(
-    data: torch.Tensor, expect: Expect | None = None
+    data: torch.Tensor, expect: Expect | None = None, max_numel: int = MAX_NUMEL
 ) -> tuple[type[Codec], torch.dtype, int, int, tuple[int, int], list[Section]]:
     """Validate a packet's header and section table; return what they say.
 
     Returns ``(codec class, dtype, numel, seed, params, layout)`` with the layout's variable
     sections set to their declared lengths. Reads only the header and the table. With
-    ``expect`` the header must say exactly that, checked before any size is computed from it.
+    ``expect`` the header must say exactly that, checked before any size is computed from it;
+    without, ``numel`` is bounded as the module docstring says.
     """
     from ..codecs import codec_class_by_id  # late import: the codecs import this module
 
@@ -208,40 +231,53 @@ def _parse_head(
                 f"length[{i}] ({section.name}): header says {declared} bytes, "
                 f"codec {cls.name!r} with numel={numel} needs {most}{section.nbytes}"
             )
+    if expect is None:  # sizes so far were plain integer arithmetic: nothing allocated yet
+        _check_numel(numel, total, max_numel)
     return cls, dtype, numel, seed, params, layout
 
 
-def packet_extent(buf: torch.Tensor | bytes | bytearray | memoryview, expect: Expect | None = None) -> int:
+def packet_extent(
+    buf: torch.Tensor | bytes | bytearray | memoryview, expect: Expect | None = None, *, max_numel: int = MAX_NUMEL
+) -> int:
     """Size in bytes of the packet that starts ``buf`` (read from its validated header).
 
     ``buf`` may continue past the packet (several packets in one message); only the header and
     section table are read. Raises :class:`WireError` like :func:`from_bytes`.
     """
     data = _as_uint8(buf)
-    return packet_nbytes(_parse_head(data, expect)[5])
+    return packet_nbytes(_parse_head(data, expect, max_numel)[5])
 
 
-def from_bytes(buf: torch.Tensor | bytes | bytearray | memoryview, expect: Expect | None = None) -> Packet:
+def from_bytes(
+    buf: torch.Tensor | bytes | bytearray | memoryview, expect: Expect | None = None, *, max_numel: int = MAX_NUMEL
+) -> Packet:
     """Parse and validate one packet; raise :class:`WireError` naming the first bad field.
 
     With ``expect`` the header must describe exactly the expected tensor (checked first, so
-    no allocation or decode is ever sized by an unexpected header). The returned sections are
-    views into ``buf`` where alignment allows (zero copy).
+    no allocation or decode is ever sized by an unexpected header). Without it the packet may
+    describe at most ``max(max_numel, 8 * len(buf))`` elements (see the module docstring).
+    The returned sections are views into ``buf`` where alignment allows (zero copy). A packet
+    that passes decodes to finite values in its dtype.
     """
-    return read_packet(buf, expect, trailing=False)[0]
+    return read_packet(buf, expect, trailing=False, max_numel=max_numel)[0]
 
 
 def read_packet(
-    buf: torch.Tensor | bytes | bytearray | memoryview, expect: Expect | None = None, *, trailing: bool = True
+    buf: torch.Tensor | bytes | bytearray | memoryview,
+    expect: Expect | None = None,
+    *,
+    trailing: bool = True,
+    max_numel: int = MAX_NUMEL,
 ) -> tuple[Packet, int]:
     """Parse the packet that starts ``buf``; return it and its size in bytes.
 
     With ``trailing`` (the default) ``buf`` may continue past the packet: that is how several
     variable-size packets are read back from one message (:mod:`commpress.wire.frame`).
+    ``expect`` and ``max_numel`` as in :func:`from_bytes`.
     """
     data = _as_uint8(buf)
     total = data.numel()
-    cls, dtype, numel, seed, params, layout = _parse_head(data, expect)
+    cls, dtype, numel, seed, params, layout = _parse_head(data, expect, max_numel)
     table_end = HEADER_NBYTES + ALIGN * len(layout)
     expected = packet_nbytes(layout)
     if total < expected:
