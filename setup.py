@@ -52,6 +52,9 @@ EXTRAS = {
     "demo": ["matplotlib>=3.8", "scikit-learn>=1.4"],  # commpress train's plot, the digits workload
     "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100"],
     "build": ["setuptools>=69", "wheel", "ninja"],  # the native build (--no-build-isolation)
+    "lightning": ["lightning>=2.6"],  # commpress.integrations.lightning
+    "accelerate": ["accelerate>=1.15"],  # commpress.integrations.accelerate
+    "fuzz": ["atheris>=3.0"],  # scripts/fuzz_wire.py
 }
 EXTRAS["dev"] = sorted({r for reqs in EXTRAS.values() for r in reqs} | {"ruff>=0.6", "mypy>=1.10"})
 

@@ -189,10 +189,14 @@ def _serve(task: Task, cfg: PSConfig, comm: Any, layout: Layout, model: torch.nn
     flat = layout.flatten(p for _, p in model.named_parameters() if p.requires_grad)
     shard = layout.shards[s]
     log = EventLog(cfg.log_dir, s)
+    from .transport import cuda_aware
+
+    # workers that hand MPI device buffers cannot checksum them; every other push must carry a CRC
+    device_buffers = torch.device(cfg.device).type == "cuda" and cuda_aware(cfg.cuda_aware)
     server = ShardServer(layout, s, cfg, W, flat[shard.start : shard.stop], task.optimizer,
-                         fingerprint=fp, log=log)
+                         fingerprint=fp, log=log, require_crc=not device_buffers)
     if resume_step is not None and cfg.checkpoint:
-        server.load_state_dict(checkpoint.load(cfg.checkpoint, comm.Get_rank(), resume_step))
+        server.load_state_dict(checkpoint.load(cfg.checkpoint, comm.Get_rank(), resume_step, like=server.state_dict()))
     bar = None
     if s == 0 and cfg.progress:
         from tqdm import tqdm
@@ -275,7 +279,7 @@ def _work(task: Task, cfg: PSConfig, comm: Any, layout: Layout, model: torch.nn.
     node = WorkerNode(layout, w, cfg, model, fingerprint=fp, checksum=not device_buffers)
     start = 0
     if resume_step is not None and cfg.checkpoint:
-        node.load_state_dict(checkpoint.load(cfg.checkpoint, comm.Get_rank(), resume_step))
+        node.load_state_dict(checkpoint.load(cfg.checkpoint, comm.Get_rank(), resume_step, like=node.state_dict()))
         start = resume_step
     outcome: WorkerOutcome = work(
         comm, node, loss=task.loss, batch=task.batch, workers=W, start=start,

@@ -118,6 +118,8 @@ class ShardServer:
         fingerprint: the configuration fingerprint every worker must present in its PULL.
         now: clock (``time.monotonic``), replaceable in tests.
         log: where event lines go (a callable taking a dict), or None.
+        require_crc: reject pushes without a payload CRC (default); False only where workers
+            hand MPI device buffers, which they cannot checksum.
     """
 
     def __init__(
@@ -133,6 +135,7 @@ class ShardServer:
         fingerprint: int = 0,
         now: Callable[[], float] = time.monotonic,
         log: Callable[[dict[str, Any]], None] | None = None,
+        require_crc: bool = True,
     ) -> None:
         if workers < 1:
             raise ConfigError("a parameter server needs at least one worker")
@@ -141,6 +144,7 @@ class ShardServer:
         self.index = shard
         self.first_worker = layout.servers if first_worker is None else first_worker
         self.fingerprint = fingerprint
+        self.require_crc = require_crc  # False only where workers push MPI device buffers
         self.now = now
         self.log = log
         self.dtype = layout.dtype
@@ -230,7 +234,7 @@ class ShardServer:
         if not 0 <= worker < self.W:
             raise ProtocolError(f"rank {sender} is not a worker (workers are ranks {self.first_worker}.."
                                 f"{self.first_worker + self.W - 1})", sender)
-        head = parse_header(buf, sender, TO_SERVER)
+        head = parse_header(buf, sender, TO_SERVER, require_crc=self.require_crc)
         if head.worker != worker:
             raise ProtocolError(f"worker: header says worker {head.worker}, the sender is worker {worker}", sender)
         if head.shard != self.index:
