@@ -43,6 +43,8 @@ def test_bad_options_raise_clear_errors() -> None:
         commpress.ddp.CompressionState(model, "sign", warmup_steps=-1)
     with pytest.raises(commpress.CodecError, match="momentum"):
         commpress.ddp.CompressionState(model, "sign", momentum=1.0)
+    with pytest.raises(commpress.CodecError, match="warmup_codec must be unbiased"):
+        commpress.ddp.CompressionState(model, "topk", ratio=0.1, warmup_codec="sign")
     with pytest.raises(TypeError, match="DistributedDataParallel"):
         commpress.ddp.register(model, "sign")
     # Valid options, but no process group: a clear error rather than a crash in the hook.

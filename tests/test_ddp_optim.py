@@ -70,6 +70,10 @@ def test_checkpoint_resume_through_the_optimizer_path(tmp_path: Path) -> None:
     w.launch(ow.worker_checkpoint, 2, "resume", str(tmp_path), 5)
 
 
+def test_adam_warm_up_runs_through_qsgd_by_default() -> None:
+    w.launch(ow.worker_warmup_codec, 2, timeout=240)
+
+
 def test_register_on_one_rank_only_fails_on_every_rank(tmp_path: Path) -> None:
     w.launch(ow.worker_register_one_rank, 2, str(tmp_path), timeout=120)
     errors = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
