@@ -278,6 +278,28 @@ def native_extensions() -> tuple[list, dict]:
     return [ext], {"build_ext": TimedBuildExtension}
 
 
+def _build_py_with_kernel_sources() -> type:
+    """build_py that also copies the CUDA kernel sources into the package (``commpress/_csrc``).
+
+    The CuPy backend compiles ``csrc/cuda`` with NVRTC at run time; a wheel or a non-editable
+    install has no checkout beside it, so the sources travel inside the package.
+    """
+    import shutil
+
+    from setuptools.command.build_py import build_py
+
+    class BuildPyWithKernelSources(build_py):
+        def run(self) -> None:
+            super().run()
+            for sub in ("cuda", "include"):
+                target = os.path.join(self.build_lib, "commpress", "_csrc", sub)
+                shutil.rmtree(target, ignore_errors=True)
+                shutil.copytree(os.path.join(ROOT, "csrc", sub), target,
+                                ignore=shutil.ignore_patterns("*.cpp", "__pycache__"))
+
+    return BuildPyWithKernelSources
+
+
 def main() -> None:
     """``python setup.py --cuda-home`` prints the toolkit a build would use; else setuptools."""
     if sys.argv[1:] == ["--cuda-home"]:
@@ -289,6 +311,7 @@ def main() -> None:
         sys.exit(0 if home else 1)
 
     ext_modules, cmdclass = native_extensions()
+    cmdclass = {**cmdclass, "build_py": _build_py_with_kernel_sources()}
     setup(
         name="commpress",
         version="0.1.0",

@@ -34,6 +34,12 @@ for spec in ("sign", "qsgd:bits=4", "topk:ratio=0.01", "randomk:ratio=0.01"):
     codec = codecs.from_spec(spec)
     y = codec.decode(wire.from_bytes(wire.to_bytes(codec.encode(x, seed=3))))
     assert y.shape == x.shape and torch.isfinite(y).all(), spec
+# the CuPy backend's kernel sources travel inside the package (no checkout beside a wheel)
+from pathlib import Path
+src = Path(commpress.__file__).parent / "_csrc"
+units = ("bitpack", "sign", "qsgd", "topk", "randomk")
+assert all((src / "cuda" / f"{u}.cu").is_file() for u in units), sorted(src.rglob("*"))
+assert (src / "cuda" / "launch_params.h").is_file() and (src / "include" / "commpress" / "hd.h").is_file()
 print("round trip ok")
 """
 

@@ -270,6 +270,8 @@ class CompressionState:
         """Resolve and check a ``warmup_codec`` (not ``"auto"``, which depends on the optimizer)."""
         if choice is None:
             return None
+        if isinstance(choice, str) and ":" in choice:  # "qsgd:bits=8"
+            choice = codecs.from_spec(choice)
         codec = comm.resolve_codec(choice, {}, "DDP's collectives")
         if not (codec.unbiased or codec.cast_dtype is not None):
             raise CodecError(f"warmup_codec must be unbiased or a cast (the warm-up keeps no residuals), got {codec!r}")

@@ -67,8 +67,10 @@ from .backends import OP_NAMES
 
 OPS = frozenset(OP_NAMES)  # all of them
 
-#: csrc/ of the repository (the backend needs the CUDA sources at run time).
-CSRC = Path(__file__).resolve().parents[2] / "csrc"
+#: The CUDA sources the backend compiles at run time: csrc/ of the checkout (source and editable
+#: installs), else the copy setup.py puts into the package (wheels and ``pip install .``).
+_CHECKOUT_CSRC = Path(__file__).resolve().parents[2] / "csrc"
+CSRC = _CHECKOUT_CSRC if (_CHECKOUT_CSRC / "cuda").is_dir() else Path(__file__).resolve().parents[1] / "_csrc"
 UNITS = ("bitpack", "sign", "qsgd", "topk", "randomk")
 
 # Storage type of each dtype in the kernels (include/commpress/hd.h).
