@@ -70,7 +70,7 @@ def test_checkpoint_resume_through_the_optimizer_path(tmp_path: Path) -> None:
     w.launch(ow.worker_checkpoint, 2, "resume", str(tmp_path), 5)
 
 
-def test_adam_warm_up_runs_through_qsgd_by_default() -> None:
+def test_warm_up_is_dense_by_default_or_runs_through_the_named_codec() -> None:
     w.launch(ow.worker_warmup_codec, 2, timeout=240)
 
 

@@ -42,10 +42,6 @@ from .planning import (
 STATE_FORMAT = 1
 #: How long registration waits for every rank to register too (gloo), before failing.
 VERIFY_TIMEOUT_S = 60
-#: The warm-up codec of the Adam path (``warmup_codec="auto"``): unbiased, 8x fewer bytes than
-#: the dense all-reduce, and the variance Adam freezes after it gave a lower loss than a dense
-#: warm-up's on the byte LM (see ``warmup_codec``).
-AUTO_WARMUP_CODEC = "qsgd"
 logger = logging.getLogger("commpress")
 
 
@@ -65,12 +61,13 @@ class CompressionState:
             Never applied to none/fp16/bf16 (rounding only).
         warmup_steps: the first ``warmup_steps`` communication steps are plain dense
             all-reduces (as DGC and 1-bit Adam do), or use ``warmup_codec``.
-        warmup_codec: a codec without error feedback (``"qsgd"``, ``"fp16"``, ...) for the
-            warm-up steps instead of the dense all-reduce; ``None``: dense. ``"auto"`` (default):
-            4-bit QSGD for the warm-up of the Adam path (``optimizer=`` Adam/AdamW), dense
-            otherwise. Measured on the byte LM (AdamW, 2 ranks, 1 Gbit/s): top-k 1% +2.01% ->
-            -0.24% vs dense and sign +1.08% -> -0.85% at 200 steps, sign's time to target 0.61x
-            -> 0.30x of dense's (``docs/benchmarks.md``).
+        warmup_codec: a codec without error feedback (``"qsgd"``, ``"qsgd:bits=8"``, ``"fp16"``, a
+            :class:`Codec`) for the warm-up steps instead of the dense all-reduce; ``None``
+            (default): dense. Measured with AdamW (``docs/benchmarks.md``): on the 10.8M-parameter
+            byte LM, ``"qsgd"`` (4-bit) took top-k 1% from +2.01% to -0.24% of dense's loss and
+            sign from +1.08% to -0.85%, sign's time to target from 0.61x to 0.30x of dense's; on
+            the 83k-parameter digits MLP it cost sign 4.6 points (8-bit: no loss there, no gain
+            on the LM). Not the default until we know why it helps where it does.
         min_numel, dense_1d: parameters with fewer elements, or 1-D ones (biases, norms), stay
             dense; ``compress_filter(name, param) -> bool`` replaces this rule.
         process_group: defaults to the DDP model's process group (else the default group).
@@ -128,7 +125,7 @@ class CompressionState:
         *,
         error_feedback: bool | None = None,
         warmup_steps: int = 0,
-        warmup_codec: str | Codec | None = "auto",
+        warmup_codec: str | Codec | None = None,
         min_numel: int = 1024,
         dense_1d: bool = True,
         compress_filter: CompressFilter | None = None,
@@ -144,8 +141,7 @@ class CompressionState:
         **codec_params: Any,
     ) -> None:
         self.codec = comm.resolve_codec(codec, codec_params, "DDP's collectives")
-        # a named warm-up codec is checked before anything else; "auto" needs the optimizer first
-        self.warmup_codec = None if warmup_codec in ("auto", None) else self._warmup_codec(warmup_codec)
+        self.warmup_codec = self._warmup_codec(warmup_codec)
         if error_feedback is None:
             error_feedback = not self.codec.unbiased
         for name, value in (
@@ -207,8 +203,6 @@ class CompressionState:
             rule = MomentumRule(self.momentum)
             self.momentum_rules = {name: rule for name in self.plans}
         self._adopt_optimizer(module, optimizer, momentum_masking)
-        if warmup_codec == "auto":
-            self.warmup_codec = self._warmup_codec(AUTO_WARMUP_CODEC if self.adam is not None else None)
         if not isinstance(verify_timeout, (int, float)) or isinstance(verify_timeout, bool) or verify_timeout <= 0:
             raise CodecError(f"verify_timeout must be a number of seconds > 0, got {verify_timeout!r}")
         # verify=False only moves the check to the first bucket of the first step: ranks that
@@ -267,7 +261,7 @@ class CompressionState:
 
     @staticmethod
     def _warmup_codec(choice: str | Codec | None) -> Codec | None:
-        """Resolve and check a ``warmup_codec`` (not ``"auto"``, which depends on the optimizer)."""
+        """Resolve and check a ``warmup_codec``: None, a spec string or a :class:`Codec`."""
         if choice is None:
             return None
         if isinstance(choice, str) and ":" in choice:  # "qsgd:bits=8"
