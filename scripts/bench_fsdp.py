@@ -14,22 +14,19 @@ per rank. ``dense`` is FSDP without commpress. Cases: ``label=codec[:key=value,.
 from __future__ import annotations
 
 import argparse
-import datetime
-import gc
-import json
 import os
-import socket
 import sys
 import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 
 from commpress.demo.workloads import digits_mlp, digits_split
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ddp_convergence as convergence  # noqa: E402 - the shared worker, options and case parser
 
 DEFAULT_CASES = [
     "dense=dense",
@@ -43,21 +40,6 @@ DEFAULT_CASES = [
     "sign256-bf16res=sign:block_size=256,residual_dtype=bf16",
     "qsgd=qsgd",
 ]
-
-
-def parse_case(text: str) -> tuple[str, str, dict[str, Any]]:
-    label, _, spec = text.partition("=")
-    codec, _, rest = spec.partition(":")
-    opts: dict[str, Any] = {}
-    for item in filter(None, rest.split(",")):
-        k, _, v = item.partition("=")
-        if k == "residual_dtype":
-            opts[k] = {"bf16": torch.bfloat16, "fp32": torch.float32}[v]
-        elif v.lower() in ("true", "false"):
-            opts[k] = v.lower() == "true"
-        else:
-            opts[k] = float(v) if "." in v else int(v)
-    return label, codec, opts
 
 
 def train_case(rank: int, world: int, args: argparse.Namespace, codec: str, opts: dict[str, Any]) -> dict[str, Any]:
@@ -101,48 +83,17 @@ def train_case(rank: int, world: int, args: argparse.Namespace, codec: str, opts
     return out
 
 
-def worker(rank: int, world: int, port: int, args: argparse.Namespace, results_path: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=120),
-    )
-    results = {}
-    for case in args.cases:
-        label, codec, opts = parse_case(case)
-        results[label] = {"codec": codec, "options": {k: str(v) for k, v in opts.items()},
-                          **train_case(rank, world, args, codec, opts)}
-    if rank == 0:
-        with open(results_path, "w") as f:
-            json.dump(results, f, indent=1)
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def train_parsed(rank: int, world: int, args: argparse.Namespace, codec: str, opts: dict[str, Any]) -> dict[str, Any]:
+    """:func:`train_case` after reading ``residual_dtype`` (the shared worker parses plain options)."""
+    if "residual_dtype" in opts:
+        opts = {**opts, "residual_dtype": {"bf16": torch.bfloat16, "fp32": torch.float32}[opts["residual_dtype"]]}
+    return train_case(rank, world, args, codec, opts)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--world", type=int, default=2)
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--batch", type=int, default=32, help="per rank")
-    p.add_argument("--lr", type=float, default=0.2)
-    p.add_argument("--momentum", type=float, default=0.0)
-    p.add_argument("--width", type=int, default=128)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cases", nargs="+", default=DEFAULT_CASES)
-    p.add_argument("--json", help="write the results here")
-    args = p.parse_args(argv)
-    path = args.json or f"/tmp/bench_fsdp_{os.getpid()}.json"
+    args = convergence.common_parser(__doc__.splitlines()[0], DEFAULT_CASES).parse_args(argv)
     t0 = time.perf_counter()
-    mp.spawn(worker, args=(args.world, free_port(), args, path), nprocs=args.world, join=True)
-    with open(path) as f:
-        results = json.load(f)
+    results = convergence.run_cases(args, train_parsed)
     dense = results.get("dense", {}).get("test_acc")
     print(
         f"digits MLP 64-{args.width}-{args.width}-10 under FSDP2, {args.world} ranks x batch {args.batch}, "

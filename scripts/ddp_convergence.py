@@ -22,6 +22,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from commpress.codecs import parse_params
 from commpress.demo.workloads import digits_mlp, digits_split
 
 DEFAULT_CASES = [
@@ -42,22 +44,10 @@ DEFAULT_CASES = [
 
 
 def parse_case(text: str) -> tuple[str, str, dict[str, Any]]:
+    """``label=codec[:key=value,...]`` -> (label, codec, options), with the package's option parser."""
     label, _, spec = text.partition("=")
     codec, _, rest = spec.partition(":")
-    opts: dict[str, Any] = {}
-    for item in filter(None, rest.split(",")):
-        k, _, v = item.partition("=")
-        opts[k] = json.loads(v.lower()) if v.lower() in ("true", "false", "null") else _number(v)
-    return label, codec, opts
-
-
-def _number(v: str) -> Any:
-    for cast in (int, float):
-        try:
-            return cast(v)
-        except ValueError:
-            pass
-    return v
+    return label, codec, parse_params(rest, f"case {text!r}")
 
 
 def train_case(rank: int, world: int, args: argparse.Namespace, codec: str, opts: dict[str, Any]) -> dict[str, Any]:
@@ -101,7 +91,10 @@ def train_case(rank: int, world: int, args: argparse.Namespace, codec: str, opts
     return out
 
 
-def worker(rank: int, world: int, port: int, args: argparse.Namespace, results_path: str) -> None:
+def worker(rank: int, world: int, port: int, args: argparse.Namespace, results_path: str,
+           train: Callable[..., dict[str, Any]] | None = None) -> None:
+    """One rank: every case of ``args.cases`` through ``train`` (default: DDP's :func:`train_case`)."""
+    train = train or train_case
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -110,7 +103,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, results_p
     results = {}
     for case in args.cases:
         label, codec, opts = parse_case(case)
-        results[label] = {"codec": codec, "options": opts, **train_case(rank, world, args, codec, opts)}
+        results[label] = {"codec": codec, "options": {k: str(v) for k, v in opts.items()},
+                          **train(rank, world, args, codec, opts)}
     if rank == 0:
         with open(results_path, "w") as f:
             json.dump(results, f, indent=1)
@@ -125,24 +119,35 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def common_parser(description: str, default_cases: list[str]) -> argparse.ArgumentParser:
+    """The options this script shares with ``bench_fsdp.py`` (same model, data and optimizer)."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--batch", type=int, default=32, help="per rank")
     p.add_argument("--lr", type=float, default=0.2)
     p.add_argument("--momentum", type=float, default=0.0)
     p.add_argument("--width", type=int, default=128)
-    p.add_argument("--bucket-cap-mb", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cases", nargs="+", default=DEFAULT_CASES)
+    p.add_argument("--cases", nargs="+", default=default_cases)
     p.add_argument("--json", help="write the results here")
-    args = p.parse_args(argv)
-    path = args.json or f"/tmp/ddp_convergence_{os.getpid()}.json"
-    t0 = time.perf_counter()
-    mp.spawn(worker, args=(args.world, free_port(), args, path), nprocs=args.world, join=True)
+    return p
+
+
+def run_cases(args: argparse.Namespace, train: Callable[..., dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Spawn ``args.world`` gloo ranks, run every case, return rank 0's results."""
+    path = args.json or f"/tmp/convergence_{os.getpid()}.json"
+    mp.spawn(worker, args=(args.world, free_port(), args, path, train), nprocs=args.world, join=True)
     with open(path) as f:
-        results = json.load(f)
+        return dict(json.load(f))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = common_parser(__doc__.splitlines()[0], DEFAULT_CASES)
+    p.add_argument("--bucket-cap-mb", type=float, default=0.05)
+    args = p.parse_args(argv)
+    t0 = time.perf_counter()
+    results = run_cases(args)
     dense = results.get("dense", {}).get("test_acc")
     print(
         f"digits MLP 64-{args.width}-{args.width}-10, {args.world} ranks x batch {args.batch}, {args.steps} steps, "
