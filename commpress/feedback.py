@@ -36,6 +36,19 @@ from .wire.packet import Packet
 
 logger = logging.getLogger("commpress")
 
+#: The largest magnitude a checkpointed residual, velocity or parameter may hold: gradients,
+#: residuals and moments of a model that trains stay far below it; a value beyond it is corruption
+#: (checked by every checkpoint loader: error feedback, the DDP and FSDP states, the parameter server).
+MAX_PLAUSIBLE_ABS = 1e15
+
+
+def check_codec_config(config: Any) -> dict[str, Any]:
+    """A checkpoint's codec entry as a dict, or a ValueError saying what it is instead."""
+    if not isinstance(config, Mapping):
+        raise ValueError(f"codec must be a codec's config() mapping, got {type(config).__name__} {config!r:.80}")
+    return dict(config)
+
+
 STATE_FORMAT = 1
 
 
@@ -223,7 +236,7 @@ class ErrorFeedback:
             raise ValueError(f"state is missing {sorted(missing)}")
         if state["format"] != STATE_FORMAT:
             raise ValueError(f"state format {state['format']!r} is not supported (expected {STATE_FORMAT})")
-        saved = from_config(dict(state["codec"]))
+        saved = from_config(check_codec_config(state["codec"]))
         if saved != self.codec:
             raise CodecError(f"codec mismatch: checkpoint has {saved!r}, this memory uses {self.codec!r}")
         residuals = state["residuals"]
@@ -236,6 +249,11 @@ class ErrorFeedback:
                 raise ValueError(f"residual {key!r} has dtype {value.dtype}, expected float32 or float64")
             if not bool(torch.isfinite(value).all()):
                 raise ValueError(f"residual {key!r} contains NaN or Inf")
+            if value.numel() and float(value.abs().max()) > MAX_PLAUSIBLE_ABS:
+                raise ValueError(
+                    f"residual {key!r} holds {float(value.abs().max()):.3g}, beyond the plausible "
+                    f"magnitude {MAX_PLAUSIBLE_ABS:g} (a corrupt checkpoint?)"
+                )
             if self.shapes is not None:
                 if key not in self.shapes:
                     raise ValueError(f"residual {key!r} is not a declared key")

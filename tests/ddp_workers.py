@@ -354,6 +354,12 @@ def worker_bad_load(rank: int, world: int) -> None:
         ("rank", (rank + 1) % world, "rank mismatch"),
         ("codec", {"name": "topk", "ratio": 0.02, "k": None}, "codec mismatch"),
         ("shapes", {**good["shapes"], "h1.weight": [3, 3]}, "compressed parameters differ"),
+        # hostile checkpoints (#12 item 6): a codec that is not a config, an absurd step
+        ("codec", "topk", "codec must be a codec's config() mapping"),
+        ("codec", 7, "codec must be a codec's config() mapping"),
+        ("step", 2**70, "step must be an int in [0, 2**62)"),
+        ("feedback", {**good["feedback"], "residuals": {
+            k: torch.full_like(v, 1e30) for k, v in good["feedback"]["residuals"].items()}}, "plausible magnitude"),
     ]
     for field, value, message in cases:
         bad = dict(good)

@@ -16,7 +16,7 @@ from ..codecs.base import all_finite
 from ..comm import CommStats, check_algorithm
 from ..comm.agreement import check_same_config
 from ..errors import CodecError
-from ..feedback import ErrorFeedback, residual_dtype
+from ..feedback import MAX_PLAUSIBLE_ABS, ErrorFeedback, check_codec_config, residual_dtype
 from ..rng import derive_seed
 from .guard import DivergenceGuard
 from .optim import (
@@ -542,7 +542,7 @@ class CompressionState:
             raise ValueError(f"commpress DDP state is missing {sorted(missing)}")
         if state["format"] != STATE_FORMAT:
             raise ValueError(f"state format {state['format']!r} is not supported (expected {STATE_FORMAT})")
-        saved = codecs.from_config(dict(state["codec"]))
+        saved = codecs.from_config(check_codec_config(state["codec"]))
         if saved != self.codec:
             raise CodecError(f"codec mismatch: checkpoint has {saved!r}, this state uses {self.codec!r}")
         if state["algorithm"] != self.algorithm:
@@ -597,6 +597,8 @@ class CompressionState:
                 raise ValueError(f"velocity {name!r} does not match a parameter of this model")
             if v.dtype not in (torch.float32, torch.float64) or not bool(torch.isfinite(v).all()):
                 raise ValueError(f"velocity {name!r} must be a finite float32/float64 tensor")
+            if v.numel() and float(v.abs().max()) > MAX_PLAUSIBLE_ABS:
+                raise ValueError(f"velocity {name!r} holds {float(v.abs().max()):.3g}, beyond {MAX_PLAUSIBLE_ABS:g}")
             velocity[name] = v.detach().clone()
         worker, server = self._new_feedback()
         for what, fb, saved_fb in (

@@ -55,6 +55,7 @@ from typing import Any
 
 import torch
 
+from ..feedback import MAX_PLAUSIBLE_ABS
 from .errors import ConfigError
 
 FORMAT = 2
@@ -62,7 +63,7 @@ MAGIC = b"CPCK"
 _HEAD = struct.Struct("<4sI32s")
 HEADER_NBYTES = _HEAD.size  # 40
 #: Largest magnitude :func:`load` accepts in any tensor or float of a checkpoint (see above).
-MAX_ABS = 1e15
+MAX_ABS = MAX_PLAUSIBLE_ABS
 _INT64 = 1 << 63
 _NAME = re.compile(r"^rank(\d{5})-step(\d{9})\.pt$")
 
