@@ -3,6 +3,8 @@
 # No ``from __future__ import annotations`` here: DDP inspects the hook's annotations and
 # compares them with the real objects (``dist.GradBucket``), not with strings.
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -20,7 +22,9 @@ def hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Futu
        gradient by its local velocity (momentum correction);
     2. during warm-up (``state.step < state.warmup_steps``): a plain dense all-reduce;
        otherwise derive each parameter's seed from ``(state.seed, step, parameter index)``;
-    3. run the codec's collective algorithm (:func:`commpress.comm.run`): error
+    3. with ``codec="auto"`` (:mod:`commpress.ddp.auto`), reduce the bucket dense or as fp16
+       instead when that is the bucket's current choice (flushing residuals on a switch);
+       otherwise run the codec's collective algorithm (:func:`commpress.comm.run`): error
        feedback and encoding happen here, on DDP's thread, and every collective is issued
        from here in order; the returned future decodes the average into ``bucket.buffer()``;
     4. every few steps, measure residual vs input norms for the divergence guard
@@ -36,10 +40,15 @@ def hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Futu
     state.before_bucket()
     if state.momentum_rules:
         state.apply_momentum(plan, buffer)
-    if state.dense_step():
+    dense = state.dense_step()
+    option = state.auto.choose(plan, bucket.index()) if state.auto is not None and not dense else None
+    if dense:
         state.flush_residuals(plan, buffer)  # a guard's dense step sends what was held back
         fut = comm.allreduce_mean(buffer, group=state.process_group, stats=state.counters)
+    elif state.auto is not None and option != "compressed":
+        fut = state.auto.reduce(plan, buffer, option or "dense")
     else:
+        start = time.perf_counter()
         measured = state.guard.due(state.step)
         input_sq = state.norms_sq(plan, buffer) if measured else 0.0
         seeds = [state.param_seed(p) for p in plan.params]
@@ -52,6 +61,8 @@ def hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Futu
             state.guard.add(state.norms_sq(plan, None), input_sq)
         if state.momentum_rules:
             state.mask_momentum(plan)
+        if state.auto is not None:
+            fut = state.auto.timed(plan, "compressed", start, fut)
     if bucket.is_last():
         state.end_step(buffer.device)
     return fut
