@@ -90,3 +90,9 @@ def worker_forced(rank: int, world: int) -> None:
     _same_everywhere(_choices(state), "forced choices")
     assert_all_ranks(bool(torch.isfinite(torch.cat([p.detach().reshape(-1) for p in ddp.parameters()])).all()),
                      "non-finite parameters")
+
+
+def worker_both(rank: int, world: int, steps: int) -> None:
+    """Both scenarios in one launch (spawning ranks costs seconds)."""
+    worker_calibrated(rank, world, steps)
+    worker_forced(rank, world)

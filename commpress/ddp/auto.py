@@ -100,8 +100,13 @@ class BucketChoice:
             acc[0] += seconds
             acc[1] += 1
 
+    def running(self) -> dict[str, float]:
+        """Mean seconds per option over the current interval so far (not reset)."""
+        with self._lock:
+            return {o: v[0] / v[1] for o, v in self._sums.items() if v[1]}
+
     def take_means(self) -> list[float]:
-        """This interval's mean seconds per option (0: not run), then start a new interval."""
+        """Mean seconds per option over the interval (0: not run); start a new interval."""
         with self._lock:
             sums, self._sums = self._sums, {}
         return [sums[o][0] / sums[o][1] if o in sums else 0.0 for o in OPTIONS]
@@ -333,10 +338,14 @@ class AutoPolicy:
 
     # ----- reporting ---------------------------------------------------------------------------
     def report(self) -> list[dict[str, Any]]:
-        """One row per current DDP bucket: index, elements, option, predicted/measured seconds, reason."""
+        """One row per current DDP bucket: index, elements, option, predicted/measured seconds, reason.
+
+        ``measured_s``: this rank's mean per option over the current interval where it ran in
+        it, else the last decision's (MAX over ranks).
+        """
         return [
             {"bucket": i, "numel": sum(e.numel for e in b.entries), "option": b.option,
-             "predicted_s": dict(b.predicted), "measured_s": dict(b.measured), "switches": b.switches,
+             "predicted_s": dict(b.predicted), "measured_s": {**b.measured, **b.running()}, "switches": b.switches,
              "reason": b.reason}
             for i, b in sorted(self._by_index.items())
         ]
