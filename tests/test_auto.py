@@ -137,3 +137,11 @@ def test_auto_two_ranks() -> None:
     """Calibrated on loopback: same choices and parameters everywhere; a forced slow link
     compresses, a fast one goes dense and flushes the residuals, and stays there."""
     w.launch(auto_workers.worker_both, 2, 8)
+
+
+def test_first_decision_starts_from_dense() -> None:
+    policy = AutoPolicy(margin=0.1)
+    close = _bucket({"dense": 1.0, "fp16": 0.95, "compressed": 0.93}, "dense")
+    assert not policy.decide(close, first=True) and close.option == "dense"
+    clear = _bucket({"dense": 1.0, "fp16": 0.95, "compressed": 0.3}, "dense")
+    assert policy.decide(clear, first=True) and clear.option == "compressed" and clear.switches == 0

@@ -9,7 +9,9 @@ usual, e.g. ``auto_codec="topk", ratio=0.01``) and attaches an :class:`AutoPolic
    decode on this device (:mod:`commpress.comm.costmodel`); the measurements are all-reduced
    with MAX, so every rank holds the same numbers and takes the same decisions.
 2. **Decide** each bucket at its first hook call (its sizes are known then: ``state.bucket_plan``):
-   the option with the least predicted time (:func:`~commpress.comm.costmodel.predict`).
+   dense, unless the option with the least predicted time
+   (:func:`~commpress.comm.costmodel.predict`) beats dense by ``auto_margin`` (close calls stay
+   exact: measured on the 17M MLP, the model underestimates every other option's CPU work).
 3. **Re-decide** every ``auto_interval`` steps (default 100) from the running measurements:
    the seconds the compressed buckets really spent encoding and decoding (the collectives'
    ``encode_s``/``decode_s`` counters, all-reduced with MAX over ranks) rescale the device costs
@@ -240,11 +242,12 @@ class AutoPolicy:
             entries = tuple(Entry(p.numel, p.compressed) for p in plan.params)
             dtype = plan.params[0].dtype if plan.params else torch.float32
             predicted = self._predict(entries, dtype)
-            option = best(predicted)
-            b = BucketChoice(index, entries, predicted, option, "predicted fastest at the first step", dtype=dtype,
+            b = BucketChoice(index, entries, predicted, "dense", "dense: no option predicted faster by the margin",
+                             dtype=dtype,
                              compressed_numel=sum(e.numel for e in entries if e.compressed),
                              decodes=compressed_plan(entries, self._state().codec, self._state().algorithm,
                                                      self._state().world_size)["decodes"])
+            self.decide(b, first=True)
             self._buckets[id(plan)] = b
         b.index = index
         self._by_index[index] = b
@@ -319,10 +322,12 @@ class AutoPolicy:
         for b in self._buckets.values():
             b.predicted = self._predict(b.entries, b.dtype)
 
-    def decide(self, b: BucketChoice) -> bool:
+    def decide(self, b: BucketChoice, first: bool = False) -> bool:
         """Switch ``b`` when another option is predicted faster by its margin; True if it switched.
 
         The margin is ``auto_margin`` doubled for every switch the bucket made (at most 50%).
+        ``first``: the bucket's first decision, from dense (exact, and what the model knows best:
+        every other option adds CPU work that it predicts less well), not counted as a switch.
         """
         cand = best(b.predicted)
         cur = b.option
@@ -330,8 +335,11 @@ class AutoPolicy:
         if cand == cur or b.predicted[cand] >= b.predicted[cur] * (1.0 - margin):
             return False
         b.reason = (f"{cand} (predicted {b.predicted[cand] * 1e3:.2f} ms) beat {cur} (predicted "
-                    f"{b.predicted[cur] * 1e3:.2f} ms) by more than the {margin:.0%} margin")
+                    f"{b.predicted[cur] * 1e3:.2f} ms) by more than the {margin:.0%} margin"
+                    + (" at the first step" if first else ""))
         b.option = cand
+        if first:
+            return True
         b.switches += 1
         logger.info("commpress auto: bucket %d -> %s", b.index, b.reason)
         return True
