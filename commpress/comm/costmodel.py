@@ -30,7 +30,8 @@ server piece and the gathered result; 1 for the shared-seed all-reduce).
 maximum over ranks so that every rank predicts, and decides, the same. Where it breaks: it
 assumes one collective at a time on an idle link and CPU (no overlap with backward, no
 contention between ranks sharing cores), per-element costs measured at one size (caches), and
-``beta`` fitted from all-reduces applied to all_gather/all_to_all.
+``beta`` fitted from all-reduces applied to all_gather/all_to_all. The fp16 option's cost beyond
+its bytes is timed on the group itself (:func:`calibrate_cast`).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from .twophase import piece_bounds
 #: The options a buffer can be reduced with, in the order ties are broken (cheapest to run first).
 OPTIONS = ("dense", "fp16", "compressed")
 #: Buffer sizes (bytes) the link calibration all-reduces; it stops growing once one takes long.
-CALIBRATION_BYTES = (4096, 1 << 20, 1 << 23)
+CALIBRATION_BYTES = (4096, 1 << 20, 1 << 23, 1 << 25)
 #: A calibration size that took longer than this (seconds) is the last one timed.
 CALIBRATION_STOP_S = 0.25
 #: Elements the device calibration encodes and decodes (16 MB of float32: past the caches).
@@ -268,6 +269,29 @@ def calibrate_link(
     return fit_link(used, times, n)
 
 
+def calibrate_cast(link: Link, group: Any = None, device: torch.device | str = "cpu",
+                   numel: int = CALIBRATION_BYTES[2] // 4, reps: int = 3) -> float:
+    """Seconds per element the fp16 cast all-reduce costs beyond ``link``'s time for its bytes.
+
+    Times the cast all-reduce as :func:`~.allreduce.allreduce_mean` runs it (divide into a fresh
+    buffer, cast, all-reduce in fp16, copy back): fresh buffers fault their pages in, and gloo
+    sums fp16 on the CPU element by element, which a float32-calibrated ``beta`` does not see
+    (measured: PyTorch's fp16 hook 0.91x dense unshaped). MAX over ranks (a collective).
+    """
+    n = dist.get_world_size(group)
+    buf = torch.zeros(numel, dtype=torch.float32, device=device)
+
+    def once() -> None:
+        send = buf.div(n).to(torch.float16)
+        dist.all_reduce(send, group=group)
+        buf.copy_(send)
+        if buf.is_cuda:
+            torch.cuda.synchronize(buf.device)
+
+    t = _max_over_ranks([_median_time(once, reps)], group, device)[0]
+    return max(t - link.allreduce(2 * numel, n), 0.0) / numel
+
+
 def calibrate_device(
     codec: Codec,
     *,
@@ -313,5 +337,5 @@ def calibrate_device(
 
 __all__ = [
     "CALIBRATION_BYTES", "CALIBRATION_NUMEL", "OPTIONS", "DeviceCost", "Entry", "Link", "best",
-    "calibrate_device", "calibrate_link", "compressed_plan", "fit_link", "predict",
+    "calibrate_cast", "calibrate_device", "calibrate_link", "compressed_plan", "fit_link", "predict",
 ]

@@ -56,6 +56,7 @@ from ..comm.costmodel import (
     Entry,
     Link,
     best,
+    calibrate_cast,
     calibrate_device,
     calibrate_link,
     compressed_plan,
@@ -211,6 +212,10 @@ class AutoPolicy:
                 state.codec, feedback=state.feedback is not None, masking=masking,
                 device=self.tensor_device, group=state.process_group,
             )
+            if state.world_size > 1:  # the fp16 path as it really runs on this group
+                c = self.device_cost
+                cast = calibrate_cast(self.link, state.process_group, self.tensor_device)
+                self.device_cost = DeviceCost(c.encode_s, c.decode_s, c.pass_s, cast, c.mask_s)
         self.calibration_s = time.perf_counter() - t
         logger.info("commpress auto: link alpha %.1f us, %.2f Gbit/s; %r encode %.2f ns/element, decode %.2f "
                     "(calibrated in %.2f s)", self.link.alpha * 1e6, self.link.gbit, state.codec,
