@@ -57,6 +57,7 @@ from ..comm.costmodel import (
     Link,
     best,
     calibrate_cast,
+    calibrate_compressed,
     calibrate_device,
     calibrate_link,
     compressed_plan,
@@ -215,7 +216,10 @@ class AutoPolicy:
             if state.world_size > 1:  # the fp16 path as it really runs on this group
                 c = self.device_cost
                 cast = calibrate_cast(self.link, state.process_group, self.tensor_device)
-                self.device_cost = DeviceCost(c.encode_s, c.decode_s, c.pass_s, cast, c.mask_s)
+                self.device_cost = calibrate_compressed(
+                    state.codec, state.algorithm, self.link, DeviceCost(c.encode_s, c.decode_s, c.pass_s, cast, c.mask_s),
+                    feedback=state.feedback is not None, group=state.process_group, device=self.tensor_device,
+                )
         self.calibration_s = time.perf_counter() - t
         logger.info("commpress auto: link alpha %.1f us, %.2f Gbit/s; %r encode %.2f ns/element, decode %.2f "
                     "(calibrated in %.2f s)", self.link.alpha * 1e6, self.link.gbit, state.codec,
