@@ -123,7 +123,8 @@ class AutoPolicy:
         interval: re-decide every ``interval`` steps from measured times.
         margin: switch only to an option estimated faster by at least this fraction.
         link: a :class:`~commpress.comm.costmodel.Link` to use instead of calibrating the link
-            (a known network, or tests forcing a slow link).
+            (a known network, or tests forcing a slow link); the fp16 and compressed paths are
+            then not timed on the group either (their excess over the link needs the real one).
         device: a :class:`~commpress.comm.costmodel.DeviceCost` instead of timing the codec.
     """
 
@@ -213,7 +214,9 @@ class AutoPolicy:
                 state.codec, feedback=state.feedback is not None, masking=masking,
                 device=self.tensor_device, group=state.process_group,
             )
-            if state.world_size > 1:  # the fp16 path as it really runs on this group
+            if state.world_size > 1 and self._given[0] is None:
+                # the fp16 and compressed paths as they really run on this group, less the link's
+                # time for their bytes (with a given link that time is not the group's: skipped)
                 c = self.device_cost
                 cast = calibrate_cast(self.link, state.process_group, self.tensor_device)
                 self.device_cost = calibrate_compressed(
