@@ -5,9 +5,11 @@ builds the state of the *candidate* codec (``auto_codec``, default ``"qsgd"``; c
 usual, e.g. ``auto_codec="topk", ratio=0.01``) and attaches an :class:`AutoPolicy`:
 
 1. **Calibrate** (at registration, after the configuration check; a collective): fit the link's
-   ``alpha``/``beta`` from timed all-reduces of a few sizes, and time the candidate's encode and
-   decode on this device (:mod:`commpress.comm.costmodel`); the measurements are all-reduced
-   with MAX, so every rank holds the same numbers and takes the same decisions.
+   ``alpha``/``beta`` from timed all-reduces of a few sizes, time the candidate's encode and
+   decode on this device, then the fp16 cast all-reduce and the candidate's whole compressed
+   path once on the group (:mod:`commpress.comm.costmodel`); the measurements are all-reduced
+   with MAX, so every rank holds the same numbers and takes the same decisions (~0.3-1.8 s on
+   the 17M-parameter benchmark's links).
 2. **Decide** each bucket at its first hook call (its sizes are known then: ``state.bucket_plan``):
    dense, unless the option with the least predicted time
    (:func:`~commpress.comm.costmodel.predict`) beats dense by ``auto_margin`` (close calls stay
