@@ -53,6 +53,8 @@ METHODS = [
     "cp-randomk:ratio=0.01,scaled=false@momentum_masking=true",
     "cp-sign:block_size=256@momentum_masking=true",
     "cp-qsgd:bits=4",
+    # codec="auto" (commpress.ddp.auto): dense, fp16 or its candidate (QSGD) per bucket, from a cost model
+    "cp-auto",
 ]
 LABEL = {
     "allreduce": "PyTorch all-reduce (no hook)",
@@ -372,7 +374,7 @@ def main() -> int:
                     help="--tta: digits steps at 2 ranks (default 240 = 12 epochs, quick 100); N ranks: 2/N as many")
     ap.add_argument("--tuned", action="append", default=[], metavar="METHOD",
                     help="--tta: an extra commpress method with options (cp-spec@options), labelled tuned")
-    ap.add_argument("--json", help="--tta: also write every run's raw results here")
+    ap.add_argument("--json", help="also write every run's raw results here")
     ap.add_argument("--steps", type=int, default=8, help="speed workload steps per method (2 untimed)")
     ap.add_argument("--quality-steps", type=int, default=300)
     ap.add_argument("--quality-warmup", type=int, default=50,
@@ -400,6 +402,9 @@ def main() -> int:
             shaped = net.shaped
             runs[(link, world)] = launch(net, world, "speed", args.steps, 0, port, args.timeout, methods)
         port += 1
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{"key": list(k), **v} for k, v in runs.items()], f)
     qlink = "1gbit" if "1gbit" in args.links else args.links[-1]
     print(f"[bench_e2e] quality run: 2 ranks, {qlink}, {args.quality_steps} steps per method", file=sys.stderr)
     qmethods = {with_warmup(m, args.quality_warmup): m for m in methods}

@@ -7,7 +7,9 @@ returns its :class:`CompressionState` (statistics, checkpointing); equivalently:
     ddp_model.register_comm_hook(state, commpress.ddp.hook)
 
 See :class:`CompressionState` for the options and :mod:`commpress.comm` for the
-algorithms, their ordering guarantee and the non-finite policy.
+algorithms, their ordering guarantee and the non-finite policy. ``register(ddp_model, "auto",
+optimizer=opt)`` chooses per bucket between dense, fp16 and a compressing codec from a
+calibrated cost model (:mod:`commpress.ddp.auto`).
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ from typing import Any
 import torch
 
 from ..codecs import Codec
+from .auto import AutoPolicy
 from .hook import hook
 from .planning import ParamPlan, plan_parameters
 from .state import CompressionState
 
-__all__ = ["CompressionState", "ParamPlan", "hook", "plan_parameters", "register"]
+__all__ = ["AutoPolicy", "CompressionState", "ParamPlan", "hook", "plan_parameters", "register"]
 
 
 def register(
@@ -29,7 +32,7 @@ def register(
 ) -> CompressionState:
     """Register the commpress hook on ``ddp_model`` and return its state.
 
-    ``codec`` is a name or a :class:`~commpress.codecs.Codec`; ``options`` are those of
+    ``codec`` is a name, ``"auto"`` (:mod:`commpress.ddp.auto`) or a :class:`~commpress.codecs.Codec`; ``options`` are those of
     :class:`CompressionState` plus, when ``codec`` is a name, the codec's parameters. Pass your
     optimizer (``optimizer=opt``) so that its momentum moves into the hook where error feedback
     needs it (:mod:`commpress.ddp.optim`). Must be called on every rank, before the first

@@ -3,6 +3,8 @@
 # No ``from __future__ import annotations`` here: DDP inspects the hook's annotations and
 # compares them with the real objects (``dist.GradBucket``), not with strings.
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -20,7 +22,9 @@ def hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Futu
        gradient by its local velocity (momentum correction);
     2. during warm-up (``state.step < state.warmup_steps``): a plain dense all-reduce;
        otherwise derive each parameter's seed from ``(state.seed, step, parameter index)``;
-    3. run the codec's collective algorithm (:func:`commpress.comm.run`): error
+    3. with ``codec="auto"`` (:mod:`commpress.ddp.auto`), reduce the bucket dense or as fp16
+       instead when that is the bucket's current choice (flushing residuals on a switch);
+       otherwise run the codec's collective algorithm (:func:`commpress.comm.run`): error
        feedback and encoding happen here, on DDP's thread, and every collective is issued
        from here in order; the returned future decodes the average into ``bucket.buffer()``;
     4. every few steps, measure residual vs input norms for the divergence guard
@@ -37,16 +41,23 @@ def hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Futu
     if state.momentum_rules:
         state.apply_momentum(plan, buffer)
     warmup_codec = state.warmup_codec_now()
+    dense = warmup_codec is None and state.dense_step()
+    option = None
+    if state.auto is not None and warmup_codec is None and not dense:
+        option = state.auto.choose(plan, bucket.index())
     if warmup_codec is not None:  # warm-up through an unbiased codec: no residuals to keep or flush
         seeds = [state.param_seed(p) for p in plan.params]
         fut = comm.run(
             comm.default_algorithm(warmup_codec, state.world_size), buffer, plan.slots(warmup_codec, seeds, None),
             group=state.process_group, stats=state.counters,
         )
-    elif state.dense_step():
+    elif dense:
         state.flush_residuals(plan, buffer)  # a guard's dense step sends what was held back
         fut = comm.allreduce_mean(buffer, group=state.process_group, stats=state.counters)
+    elif state.auto is not None and option != "compressed":
+        fut = state.auto.reduce(plan, buffer, option or "dense")
     else:
+        start = time.perf_counter()
         measured = state.guard.due(state.step)
         input_sq = state.norms_sq(plan, buffer) if measured else 0.0
         seeds = [state.param_seed(p) for p in plan.params]
@@ -59,6 +70,8 @@ def hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Futu
             state.guard.add(state.norms_sq(plan, None), input_sq)
         if state.momentum_rules:
             state.mask_momentum(plan)
+        if state.auto is not None:
+            fut = state.auto.timed(plan, "compressed", start, fut)
     if bucket.is_last():
         state.end_step(buffer.device)
     return fut

@@ -18,6 +18,7 @@ from ..comm.agreement import check_same_config
 from ..errors import CodecError
 from ..feedback import MAX_PLAUSIBLE_ABS, ErrorFeedback, check_codec_config, residual_dtype
 from ..rng import derive_seed
+from .auto import AutoPolicy
 from .guard import DivergenceGuard
 from .optim import (
     ADAM_WARMUP_STEPS,
@@ -51,7 +52,11 @@ class CompressionState:
     Args:
         model: the ``DistributedDataParallel`` model (or its wrapped module) whose gradients
             the hook reduces; parameter names come from ``module.named_parameters()``.
-        codec: a codec name (``"topk"``, ``"sign"``, ...) or a :class:`commpress.codecs.Codec`.
+        codec: a codec name (``"topk"``, ``"sign"``, ...) or a :class:`commpress.codecs.Codec`;
+            ``"auto"`` chooses per bucket between dense, fp16 and a compressing candidate
+            (``auto_codec="qsgd"`` by default, with its codec parameters) from a calibrated cost
+            model (:mod:`commpress.ddp.auto`, options ``auto_codec``, ``auto_interval``,
+            ``auto_margin``, ``auto_link``, ``auto_device``).
         error_feedback: keep per-parameter residuals of what compression dropped (and, for the
             two-phase algorithm, server-side residuals of the re-encoding). ``None`` (default):
             on for the biased, contractive codecs (topk, sign, unscaled randomk) and off for
@@ -115,7 +120,7 @@ class CompressionState:
         "process_group", "world_size", "rank", "codec", "algorithm", "error_feedback",
         "warmup_steps", "warmup_codec", "seed", "step", "plans", "plans_by_id", "feedback", "server_feedback",
         "momentum", "momentum_masking", "velocity", "_bucket_plans", "_stats", "momentum_rules",
-        "optimizer", "guard", "adam", "_verify_pending", "_stats_from_step",
+        "optimizer", "guard", "adam", "_verify_pending", "_stats_from_step", "auto",
     )
 
     def __init__(
@@ -140,6 +145,10 @@ class CompressionState:
         divergence_guard: DivergenceGuard | bool = True,
         **codec_params: Any,
     ) -> None:
+        auto = None
+        if isinstance(codec, str) and codec == "auto":
+            codec_params = dict(codec_params)
+            codec, auto = AutoPolicy.from_options(codec_params)  # the candidate codec and the policy
         self.codec = comm.resolve_codec(codec, codec_params, "DDP's collectives")
         self.warmup_codec = self._warmup_codec(warmup_codec)
         if error_feedback is None:
@@ -203,6 +212,8 @@ class CompressionState:
             rule = MomentumRule(self.momentum)
             self.momentum_rules = {name: rule for name in self.plans}
         self._adopt_optimizer(module, optimizer, momentum_masking)
+        first = next(module.parameters(), None)
+        self.auto = None if auto is None else auto.bind(self, first.device if first is not None else torch.device("cpu"))
         if not isinstance(verify_timeout, (int, float)) or isinstance(verify_timeout, bool) or verify_timeout <= 0:
             raise CodecError(f"verify_timeout must be a number of seconds > 0, got {verify_timeout!r}")
         # verify=False only moves the check to the first bucket of the first step: ranks that
@@ -210,6 +221,8 @@ class CompressionState:
         self._verify_pending: float | None = None if verify else float(verify_timeout)
         if verify:
             self._verify_ranks(float(verify_timeout))
+            if self.auto is not None:  # after the check (verify=False: at the first bucket)
+                self.auto.calibrate()
 
     # ----- configuration --------------------------------------------------------------------
     @property
@@ -242,6 +255,7 @@ class CompressionState:
             "momentum": self.momentum,
             "momentum_rules": {k: r.as_list() for k, r in sorted(self.momentum_rules.items())},
             "world_size": self.world_size,
+            "auto": None if self.auto is None else self.auto.config(),
             "params": [
                 [p.name, list(p.shape), str(p.dtype), p.compressed] for p in self.plans.values()
             ],
@@ -472,6 +486,8 @@ class CompressionState:
         s["bytes_sent_per_step"] = s["bytes_sent"] / steps
         s["dense_bytes_per_step"] = s["dense_bytes"] / steps
         s.update(self.guard.stats())
+        if self.auto is not None:
+            s.update(self.auto.stats())
         return s
 
     def end_step(self, device: torch.device | str) -> None:
@@ -479,6 +495,8 @@ class CompressionState:
         if self.step >= self.warmup_steps:
             measured = self.guard.due(self.step)
             self.guard.end_step(measured, self.process_group, device)
+        if self.auto is not None:
+            self.auto.end_step(self.step, device)
         self.step += 1
 
     def reset_stats(self) -> None:

@@ -20,6 +20,7 @@ Workloads (models and data from :mod:`.workloads`):
 Methods: ``allreduce`` (DDP, no hook), ``fp16`` (PyTorch's fp16_compress_hook),
 ``powersgd`` (PyTorch's PowerSGD, rank 4, one bucket: on gloo it needs a single bucket),
 and ``cp-<codec>[:k=v,...][@option=value,...]`` for commpress (e.g. ``cp-topk:ratio=0.01``;
+``cp-auto[:auto_codec=topk,ratio=0.01]`` for ``codec="auto"`` and its candidate;
 after ``@``, options of :func:`commpress.ddp.register`, e.g.
 ``cp-sign:block_size=256@momentum_masking=true,warmup_steps=50``). On ``lm`` and ``digits``
 a commpress method is registered as a user would: ``register(ddp, name, **params,
@@ -184,11 +185,14 @@ def register_commpress(method: str, ddp: DDP, opt: torch.optim.Optimizer, work: 
     """Attach commpress for ``cp-<spec>[@options]``; return ``(state, optimizer passed)``."""
     spec, _, options = method[3:].partition("@")
     hook_options = parse_params(options, f"method {method!r}")
-    if not work.user_optimizer:
-        # DGC momentum correction: the hook keeps the velocity, the optimizer has none
-        return commpress_ddp.register(ddp, from_spec(spec), **{"momentum": MOMENTUM, **hook_options}), False
     name, _, params = spec.partition(":")
     codec_params = parse_params(params, f"method {method!r}")
+    if not work.user_optimizer:
+        # DGC momentum correction: the hook keeps the velocity, the optimizer has none; "auto"
+        # takes its candidate codec as options (cp-auto:auto_codec=topk,ratio=0.01)
+        codec: Any = "auto" if name == "auto" else from_spec(spec)
+        kwargs = {"momentum": MOMENTUM, **(codec_params if name == "auto" else {}), **hook_options}
+        return commpress_ddp.register(ddp, codec, **kwargs), False
     takes_optimizer = "optimizer" in inspect.signature(commpress_ddp.register).parameters
     if takes_optimizer:
         hook_options.setdefault("optimizer", opt)
@@ -265,6 +269,14 @@ def run_method(method: str, work: Workload, steps: int, warmup: int, eval_every:
     else:
         claimed_wire = claimed * 2 * (world - 1) / world  # ring all-reduce per rank
         ratio = 4 * numel / claimed
+    auto = getattr(state, "auto", None)
+    if state is not None and auto is not None and work.rank == 0:
+        for row in auto.report():
+            print(f"[auto] {method} bucket {row['bucket']} ({row['numel']} elements): {row['option']}; "
+                  f"predicted {row['predicted_s']}, measured {row['measured_s']}; {row['reason']}",
+                  file=sys.stderr, flush=True)
+        print(f"[auto] {method} calibration: { {k: v for k, v in state.stats().items() if k.startswith('auto_') and '_b' not in k} }",
+              file=sys.stderr, flush=True)
     final = work.evaluate(module) if not curve and (work.rank == 0 or work.distributed_eval) else {}
     dist.barrier()
     return {
@@ -279,6 +291,7 @@ def run_method(method: str, work: Workload, steps: int, warmup: int, eval_every:
         "final_accuracy": accuracy[-1] if accuracy else final.get("accuracy"),
         "curve": curve,
         "accuracy": accuracy,
+        "auto": None if auto is None else auto.report(),
     }
 
 

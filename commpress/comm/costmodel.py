@@ -1,0 +1,389 @@
+"""A cost model of one gradient buffer's reduction: link (alpha, beta) plus per-element codec costs.
+
+What it predicts is the time from handing a buffer to a collective to having its average in
+place, for three options (:data:`OPTIONS`): ``dense`` (DDP's own all-reduce of the buffer),
+``fp16`` (a cast all-reduce) and ``compressed`` (a codec with its algorithm). Two parts:
+
+**Link** (:class:`Link`): ``alpha`` seconds per message, ``beta`` seconds per byte a rank sends,
+with how the gloo/NCCL collectives this package issues move bytes (the same accounting as
+:class:`~.driver.CommStats`' ``bytes_wire``), ``B`` bytes of the per-rank input, ``n`` ranks:
+
+=====================  =========================================  ==============================
+collective             time                                       used by
+=====================  =========================================  ==============================
+ring all-reduce        ``2(n-1) alpha + 2(n-1)/n B beta``         dense, fp16, random-k values
+all_gather (ring)      ``(n-1) alpha + (n-1) B beta``             ``allgather`` (B: one frame)
+all_to_all             ``(n-1) alpha + (n-1)/n B beta``           ``twophase`` phase 1 (B: all pieces)
+=====================  =========================================  ==============================
+
+``twophase`` adds an all_gather of the padded piece frame (about ``B/n``).
+
+**Device** (:class:`DeviceCost`): seconds per element on this device for the codec's encode
+(through error feedback when the caller keeps residuals), one decode-and-add, a plain pass
+(``copy_``/``div_``), the fp16 cast round trip, and DGC's momentum masking. The compressed
+option costs ``encode + k * decode + passes`` where ``k`` is the number of packets each element
+is decoded from (``n`` for all-gather: every rank decodes every frame; 2 for two-phase: the
+server piece and the gathered result; 1 for the shared-seed all-reduce).
+
+:func:`predict` is pure (numbers in, seconds out); :func:`calibrate_link` and
+:func:`calibrate_device` measure the inputs on a process group and a device, and take the
+maximum over ranks so that every rank predicts, and decides, the same. Where it breaks: it
+assumes one collective at a time on an idle link and CPU (no overlap with backward, no
+contention between ranks sharing cores), per-element costs measured at one size (caches), and
+``beta`` fitted from all-reduces applied to all_gather/all_to_all. The fp16 option's cost beyond
+its bytes is timed on the group itself (:func:`calibrate_cast`), and so is the compressed path
+(:func:`calibrate_compressed` rescales encode and decode to match it).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..codecs import Codec, NoneCodec
+from ..errors import CodecError
+from ..feedback import ErrorFeedback
+from ..wire.frame import FrameLayout
+from .twophase import piece_bounds
+
+#: The options a buffer can be reduced with, in the order ties are broken (cheapest to run first).
+OPTIONS = ("dense", "fp16", "compressed")
+#: Buffer sizes (bytes) the link calibration all-reduces; it stops growing once one takes long.
+CALIBRATION_BYTES = (4096, 1 << 20, 1 << 23, 1 << 25)
+#: A calibration size that took longer than this (seconds) is the last one timed.
+CALIBRATION_STOP_S = 0.25
+#: Elements the device calibration encodes and decodes (16 MB of float32: past the caches).
+CALIBRATION_NUMEL = 1 << 22
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link: ``alpha`` seconds per message and ``beta`` seconds per byte sent by one rank."""
+
+    alpha: float
+    beta: float
+
+    def __post_init__(self) -> None:
+        for name in ("alpha", "beta"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+                raise CodecError(f"link {name} must be a finite number >= 0, got {v!r}")
+
+    @classmethod
+    def from_gbit(cls, gbit: float, latency_s: float = 50e-6) -> Link:
+        """A link of ``gbit`` Gbit/s per rank and ``latency_s`` seconds per message."""
+        if not gbit > 0:
+            raise CodecError(f"link bandwidth must be > 0 Gbit/s, got {gbit!r}")
+        return cls(latency_s, 8.0 / (gbit * 1e9))
+
+    @property
+    def gbit(self) -> float:
+        """Bandwidth in Gbit/s (inf for beta 0)."""
+        return math.inf if self.beta == 0 else 8.0 / self.beta / 1e9
+
+    def allreduce(self, nbytes: float, n: int) -> float:
+        """Ring all-reduce of ``nbytes`` per rank."""
+        return 0.0 if n < 2 else 2 * (n - 1) * self.alpha + 2 * (n - 1) / n * nbytes * self.beta
+
+    def allgather(self, nbytes: float, n: int) -> float:
+        """Ring all_gather of ``nbytes`` per rank (each rank receives and forwards ``n-1`` of them)."""
+        return 0.0 if n < 2 else (n - 1) * self.alpha + (n - 1) * nbytes * self.beta
+
+    def alltoall(self, nbytes: float, n: int) -> float:
+        """all_to_all of ``nbytes`` per rank (``(n-1)/n`` of it leaves the rank)."""
+        return 0.0 if n < 2 else (n - 1) * self.alpha + (n - 1) / n * nbytes * self.beta
+
+
+@dataclass(frozen=True)
+class DeviceCost:
+    """Seconds per element on one device (see the module docstring); ``mask_s`` 0 without masking."""
+
+    encode_s: float
+    decode_s: float
+    pass_s: float
+    cast_s: float
+    mask_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name, v in asdict(self).items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+                raise CodecError(f"device cost {name} must be a finite number >= 0, got {v!r}")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of a buffer: ``numel`` elements, compressed by the codec or sent dense."""
+
+    numel: int
+    compressed: bool
+
+
+def compressed_plan(
+    entries: Sequence[Entry], codec: Codec, algorithm: str, n: int, dtype: torch.dtype = torch.float32
+) -> dict[str, float]:
+    """Bytes each collective of ``algorithm`` hands over per rank, and decodes per element.
+
+    Returns ``{"allreduce": B, "allgather": B, "alltoall": B, "decodes": k}`` (absent
+    collectives 0), computed from the same frame layouts the algorithms build.
+    """
+    dense = NoneCodec()
+    size = torch.empty((), dtype=dtype).element_size()
+    out = {"allreduce": 0.0, "allgather": 0.0, "alltoall": 0.0, "decodes": 1.0}
+    if algorithm == "allgather":
+        out["allgather"] = FrameLayout(
+            [(i, codec if e.compressed else dense, e.numel) for i, e in enumerate(entries)], dtype
+        ).nbytes
+        out["decodes"] = float(n)
+    elif algorithm == "twophase":
+        bounds = [piece_bounds(e.numel, n, codec.block_alignment()) for e in entries]
+        layouts = [
+            FrameLayout([(i, codec if e.compressed else dense, b[j][1] - b[j][0])
+                         for i, (e, b) in enumerate(zip(entries, bounds))], dtype)
+            for j in range(n)
+        ]
+        out["alltoall"] = sum(lay.nbytes for lay in layouts)
+        out["allgather"] = max(lay.nbytes for lay in layouts)
+        out["decodes"] = 2.0
+    elif algorithm == "allreduce":
+        out["allreduce"] = size * sum(
+            codec.wire_params(e.numel)[0] if e.compressed else e.numel for e in entries
+        )
+    else:
+        raise CodecError(f"the cost model knows algorithms allgather, twophase and allreduce, not {algorithm!r}")
+    return out
+
+
+def predict(
+    entries: Sequence[Entry],
+    n: int,
+    link: Link,
+    device: DeviceCost,
+    codec: Codec,
+    algorithm: str,
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, float]:
+    """Predicted seconds to reduce one buffer of ``entries`` over ``n`` ranks, per option.
+
+    ``dense``: all-reduce of the buffer plus one pass (the division); ``fp16``: all-reduce of
+    half the bytes plus the cast round trip (absent for buffers that are not float32/float64);
+    ``compressed``: the codec's collectives (:func:`compressed_plan`) plus encode of the
+    compressed elements, ``k`` decodes of them, masking, and two passes over the buffer
+    (accumulator average and copy).
+    """
+    numel = sum(e.numel for e in entries)
+    nc = sum(e.numel for e in entries if e.compressed)
+    size = torch.empty((), dtype=dtype).element_size()
+    out = {"dense": link.allreduce(size * numel, n) + device.pass_s * numel}
+    if dtype in (torch.float32, torch.float64):
+        out["fp16"] = link.allreduce(2 * numel, n) + device.cast_s * numel
+    plan = compressed_plan(entries, codec, algorithm, n, dtype)
+    wire = (link.allreduce(plan["allreduce"], n) + link.allgather(plan["allgather"], n)
+            + link.alltoall(plan["alltoall"], n))
+    work = nc * (device.encode_s + plan["decodes"] * device.decode_s + device.mask_s)
+    work += (numel - nc) * device.pass_s * plan["decodes"] + 2 * numel * device.pass_s
+    out["compressed"] = wire + work
+    return out
+
+
+def best(predicted: dict[str, float]) -> str:
+    """The option with the least time (ties: the earlier in :data:`OPTIONS`)."""
+    return min((o for o in OPTIONS if o in predicted), key=lambda o: (predicted[o], OPTIONS.index(o)))
+
+
+# ----- calibration -------------------------------------------------------------------------------
+def _median_time(fn: Any, reps: int) -> float:
+    fn()  # warm-up: first-touch pages, kernel selection
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _max_over_ranks(values: list[float], group: Any, device: torch.device | str) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return [float(v) for v in t.cpu()]
+
+
+def fit_link(sizes: Sequence[float], times: Sequence[float], n: int) -> Link:
+    """Least-squares ``alpha``, ``beta`` of ring all-reduces of ``sizes`` bytes that took ``times``.
+
+    Each point is weighted by ``1/time`` (relative error), so the small sizes fix the latency
+    and the large ones the bandwidth; both are clamped at 0.
+    """
+    if len(sizes) != len(times) or len(sizes) < 2 or n < 2:
+        raise CodecError(f"fit_link needs >= 2 (size, time) points and n >= 2, got {len(sizes)} and n={n}")
+    rows = [(2.0 * (n - 1) / t, 2.0 * (n - 1) / n * b / t) for b, t in zip(sizes, times)]
+    # normal equations of min sum (x_a * alpha + x_b * beta - 1)^2
+    saa = sum(a * a for a, _ in rows)
+    sbb = sum(b * b for _, b in rows)
+    sab = sum(a * b for a, b in rows)
+    sa = sum(a for a, _ in rows)
+    sb = sum(b for _, b in rows)
+    det = saa * sbb - sab * sab
+    alpha, beta = ((sbb * sa - sab * sb) / det, (saa * sb - sab * sa) / det) if det else (0.0, 0.0)
+    if beta <= 0:  # latency-only data: all time per byte of the largest
+        beta = max(times[-1] - 2 * (n - 1) * max(alpha, 0.0), 0.0) / (2 * (n - 1) / n * sizes[-1])
+    if alpha < 0:
+        alpha = 0.0
+    return Link(alpha, beta)
+
+
+def calibrate_link(
+    group: Any = None, device: torch.device | str = "cpu", sizes: Sequence[int] = CALIBRATION_BYTES, reps: int = 3
+) -> Link:
+    """Time all-reduces of ``sizes`` bytes on ``group`` (collective: every rank calls it).
+
+    Every rank times every size (it stops early, on every rank alike, once a size took longer
+    than :data:`CALIBRATION_STOP_S` on some rank); the medians are all-reduced with MAX before
+    the fit, so every rank returns the same :class:`Link`.
+    """
+    n = dist.get_world_size(group)
+    if n < 2:
+        return Link(0.0, 0.0)
+    buf = torch.zeros(max(sizes) // 4, dtype=torch.float32, device=device)
+    used: list[float] = []
+    times: list[float] = []
+    for b in sizes:
+        view = buf[: b // 4]
+
+        def once(view: torch.Tensor = view) -> None:
+            dist.all_reduce(view, group=group)
+            if view.is_cuda:
+                torch.cuda.synchronize(view.device)
+
+        t = _max_over_ranks([_median_time(once, reps)], group, device)[0]
+        used.append(float(b))
+        times.append(t)
+        if t > CALIBRATION_STOP_S and len(used) >= 2:
+            break
+    return fit_link(used, times, n)
+
+
+def calibrate_cast(link: Link, group: Any = None, device: torch.device | str = "cpu",
+                   numel: int = CALIBRATION_BYTES[2] // 4, reps: int = 3) -> float:
+    """Seconds per element the fp16 cast all-reduce costs beyond ``link``'s time for its bytes.
+
+    Times the cast all-reduce as :func:`~.allreduce.allreduce_mean` runs it (divide into a fresh
+    buffer, cast, all-reduce in fp16, copy back): fresh buffers fault their pages in, and gloo
+    sums fp16 on the CPU element by element, which a float32-calibrated ``beta`` does not see
+    (measured: PyTorch's fp16 hook 0.91x dense unshaped). MAX over ranks (a collective).
+    """
+    n = dist.get_world_size(group)
+    buf = torch.zeros(numel, dtype=torch.float32, device=device)
+
+    def once() -> None:
+        send = buf.div(n).to(torch.float16)
+        dist.all_reduce(send, group=group)
+        buf.copy_(send)
+        if buf.is_cuda:
+            torch.cuda.synchronize(buf.device)
+
+    t = _max_over_ranks([_median_time(once, reps)], group, device)[0]
+    return max(t - link.allreduce(2 * numel, n), 0.0) / numel
+
+
+def calibrate_compressed(
+    codec: Codec,
+    algorithm: str,
+    link: Link,
+    cost: DeviceCost,
+    *,
+    feedback: bool,
+    group: Any = None,
+    device: torch.device | str = "cpu",
+    numel: int = CALIBRATION_NUMEL,
+    reps: int = 3,
+) -> DeviceCost:
+    """``cost`` with encode and decode rescaled so the model matches the real compressed path.
+
+    Runs ``algorithm`` on the group (:func:`commpress.comm.run`: error feedback, encode, frame
+    packing, the collectives, fresh receive and accumulation buffers, decode) for one buffer of
+    ``numel`` elements, and scales encode and decode by (measured - predicted wire time) /
+    predicted CPU work: the parts :func:`calibrate_device` times alone missed 10-30% of the
+    compressed steps of the 17M MLP. MAX over ranks (a collective: every rank calls it).
+    """
+    from . import run  # the package imports this module's users, not the other way round
+    from .driver import Slot
+
+    n = dist.get_world_size(group)
+    side = max(1, math.isqrt(numel))
+    x = torch.randn(side, side, generator=torch.Generator().manual_seed(1)).to(device)
+    buf = torch.empty(x.numel(), dtype=x.dtype, device=device)
+    ef = ErrorFeedback(codec) if feedback else None
+    server = ErrorFeedback(codec) if feedback and algorithm == "twophase" else None
+    slots = [Slot("calibration", 0, tuple(x.shape), codec, 7, ef)]
+
+    def once() -> None:
+        buf.copy_(x.reshape(-1))
+        run(algorithm, buf, slots, group=group, server_feedback=server).wait()
+
+    t = _max_over_ranks([_median_time(once, reps)], group, device)[0]
+    entries = [Entry(x.numel(), True)]
+    plan = compressed_plan(entries, codec, algorithm, n, x.dtype)
+    wire = (link.allreduce(plan["allreduce"], n) + link.allgather(plan["allgather"], n)
+            + link.alltoall(plan["alltoall"], n))
+    work = predict(entries, n, link, cost, codec, algorithm, x.dtype)["compressed"] - wire
+    factor = max(t - wire, 0.0) / work if work > 0 else 1.0
+    if not math.isfinite(factor) or factor <= 0:
+        return cost
+    return DeviceCost(cost.encode_s * factor, cost.decode_s * factor, cost.pass_s, cost.cast_s, cost.mask_s)
+
+
+def calibrate_device(
+    codec: Codec,
+    *,
+    feedback: bool,
+    masking: bool = False,
+    device: torch.device | str = "cpu",
+    numel: int = CALIBRATION_NUMEL,
+    group: Any = None,
+    reps: int = 3,
+) -> DeviceCost:
+    """Time the codec's encode (through error feedback when ``feedback``) and decode on ``device``.
+
+    Runs on every rank of ``group`` and takes the maximum over ranks (a collective when the
+    process group is initialised), so every rank has the same numbers. Gaussian input, seed 0.
+    """
+    side = max(1, math.isqrt(numel))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(side, side, generator=gen).to(device)
+    m = x.numel()
+    ef = ErrorFeedback(codec, {"x": x.shape}) if feedback else None
+
+    def encode() -> Any:
+        return ef.compress("x", x, seed=1) if ef is not None else codec.encode(x, seed=1)
+
+    enc = _median_time(encode, reps)
+    packet = encode()
+    acc = torch.zeros(m, dtype=x.dtype, device=device)
+    dec = _median_time(lambda: codec.decode(packet, out=acc, accumulate=True), reps)
+    flat = x.reshape(-1)
+    pass_t = _median_time(lambda: acc.copy_(flat), reps)
+
+    def cast() -> None:  # as the cast all-reduce does it: divide, cast, copy back
+        acc.copy_(flat.div(2).to(torch.float16))
+
+    cast_t = _median_time(cast, reps)
+    mask_t = 0.0
+    if masking:
+        u = flat.clone()
+        mask_t = _median_time(lambda: u.masked_fill_(acc == 0, 0.0), reps)
+    values = _max_over_ranks([enc / m, dec / m, pass_t / m, cast_t / m, mask_t / m], group, device)
+    return DeviceCost(*values)
+
+
+__all__ = [
+    "CALIBRATION_BYTES", "CALIBRATION_NUMEL", "OPTIONS", "DeviceCost", "Entry", "Link", "best",
+    "calibrate_cast", "calibrate_compressed", "calibrate_device", "calibrate_link", "compressed_plan", "fit_link", "predict",
+]

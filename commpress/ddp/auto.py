@@ -1,0 +1,397 @@
+"""``codec="auto"``: per DDP bucket, reduce dense, as fp16 or compressed, whichever is predicted fastest.
+
+``commpress.ddp.register(ddp, "auto", optimizer=opt)`` (or ``CompressionState(model, "auto")``)
+builds the state of the *candidate* codec (``auto_codec``, default ``"qsgd"``; codec parameters as
+usual, e.g. ``auto_codec="topk", ratio=0.01``) and attaches an :class:`AutoPolicy`:
+
+1. **Calibrate** (at registration, after the configuration check; a collective): fit the link's
+   ``alpha``/``beta`` from timed all-reduces of a few sizes, time the candidate's encode and
+   decode on this device, then the fp16 cast all-reduce and the candidate's whole compressed
+   path once on the group (:mod:`commpress.comm.costmodel`); the measurements are all-reduced
+   with MAX, so every rank holds the same numbers and takes the same decisions (~0.3-1.8 s on
+   the 17M-parameter benchmark's links).
+2. **Decide** each bucket at its first hook call (its sizes are known then: ``state.bucket_plan``):
+   dense, unless the option with the least predicted time
+   (:func:`~commpress.comm.costmodel.predict`) beats dense by ``auto_margin`` (close calls stay
+   exact: measured on the 17M MLP, the model underestimates every other option's CPU work).
+3. **Re-decide** every ``auto_interval`` steps (default 100) from the running measurements:
+   the seconds the compressed buckets really spent encoding and decoding (the collectives'
+   ``encode_s``/``decode_s`` counters, all-reduced with MAX over ranks) rescale the device costs
+   of the model, every bucket is predicted again, and a bucket switches only when another option
+   is predicted at least ``auto_margin`` (default 10%) faster than its current one; every switch
+   of a bucket doubles the margin it needs for the next (hysteresis: it cannot oscillate).
+   Each bucket's measured time (hook call to decoded average, per option it ran with, MAX over
+   ranks) is reported next to its prediction but does not decide: under DDP it includes waiting
+   behind the other buckets' collectives and for backward's compute (on loopback a 70 KB bucket
+   measured 6-11 ms against 1.4 ms predicted), which no option changes.
+
+Error feedback is carried across switches: a bucket that goes dense or fp16 after compressed
+steps first flushes its residuals into the gradient (:meth:`CompressionState.flush_residuals`, as
+the divergence guard's dense steps do), so nothing held back is lost; compressing again starts
+from empty residuals. Warm-up and the guard's dense steps are dense as before. ``state.stats()``
+reports each bucket's choice and predicted and measured seconds (``auto_b<index>_...``) and
+:meth:`AutoPolicy.report` the same as readable rows with the reason of the last decision.
+
+Why QSGD is the default candidate (``docs/benchmarks.md``): it kept dense quality everywhere it
+was measured (byte LM with AdamW: -1.27% loss at 2 ranks, -2.52% at 4; digits 98.2% vs dense
+97.7%), and it is unbiased, so it needs no residuals: switching options never touches the
+optimizer or its momentum. Top-k 1% and sign send 3-6x fewer bytes at 2 ranks (1 Gbit/s step
+0.217 s vs QSGD's 0.285 s) but lost 1-3.5% loss on the LM; choose them with ``auto_codec``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from .. import comm
+from ..comm.costmodel import (
+    OPTIONS,
+    DeviceCost,
+    Entry,
+    Link,
+    best,
+    calibrate_cast,
+    calibrate_compressed,
+    calibrate_device,
+    calibrate_link,
+    compressed_plan,
+    predict,
+)
+from ..errors import CodecError
+from .planning import BucketPlan
+
+if TYPE_CHECKING:
+    from .state import CompressionState
+
+logger = logging.getLogger("commpress")
+
+#: The compressing candidate when ``auto_codec`` is not given (see the module docstring).
+DEFAULT_CANDIDATE = "qsgd"
+DEFAULT_INTERVAL = 100
+DEFAULT_MARGIN = 0.1
+#: Options of ``codec="auto"`` (everything else goes to the candidate codec or the state).
+AUTO_OPTIONS = ("auto_codec", "auto_interval", "auto_margin", "auto_link", "auto_device")
+
+
+@dataclass
+class BucketChoice:
+    """One bucket's decision: its sizes, predicted and measured seconds per option, the choice."""
+
+    index: int
+    entries: tuple[Entry, ...]
+    predicted: dict[str, float]
+    option: str
+    reason: str
+    measured: dict[str, float] = field(default_factory=dict)  # mean of the last interval it ran in
+    dtype: torch.dtype = torch.float32
+    compressed_numel: int = 0
+    decodes: float = 1.0  # packets each compressed element is decoded from (costmodel.compressed_plan)
+    switches: int = 0
+    needs_flush: bool = True  # residuals may be non-zero (a checkpoint, or compressed steps)
+    _sums: dict[str, list[float]] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, option: str, seconds: float) -> None:
+        """Record one measured reduction (called from the collective's callback thread)."""
+        with self._lock:
+            acc = self._sums.setdefault(option, [0.0, 0.0])
+            acc[0] += seconds
+            acc[1] += 1
+
+    def running(self) -> dict[str, float]:
+        """Mean seconds per option over the current interval so far (not reset)."""
+        with self._lock:
+            return {o: v[0] / v[1] for o, v in self._sums.items() if v[1]}
+
+    def take_means(self) -> list[float]:
+        """Mean seconds per option over the interval (0: not run); start a new interval."""
+        with self._lock:
+            sums, self._sums = self._sums, {}
+        return [sums[o][0] / sums[o][1] if o in sums else 0.0 for o in OPTIONS]
+
+
+class AutoPolicy:
+    """The per-bucket choice of ``codec="auto"`` (see the module docstring); one per state.
+
+    Args:
+        interval: re-decide every ``interval`` steps from measured times.
+        margin: switch only to an option estimated faster by at least this fraction.
+        link: a :class:`~commpress.comm.costmodel.Link` to use instead of calibrating the link
+            (a known network, or tests forcing a slow link); the fp16 and compressed paths are
+            then not timed on the group either (their excess over the link needs the real one).
+        device: a :class:`~commpress.comm.costmodel.DeviceCost` instead of timing the codec.
+    """
+
+    def __init__(
+        self,
+        *,
+        interval: int = DEFAULT_INTERVAL,
+        margin: float = DEFAULT_MARGIN,
+        link: Link | None = None,
+        device: DeviceCost | None = None,
+    ) -> None:
+        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+            raise CodecError(f"auto_interval must be an int >= 1, got {interval!r}")
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+            raise CodecError(f"auto_margin must be a number in [0, 1), got {margin!r}")
+        if link is not None and not isinstance(link, Link):
+            raise CodecError(f"auto_link must be a commpress.comm.costmodel.Link, got {link!r}")
+        if device is not None and not isinstance(device, DeviceCost):
+            raise CodecError(f"auto_device must be a commpress.comm.costmodel.DeviceCost, got {device!r}")
+        self.interval = interval
+        self.margin = float(margin)
+        self._given = (link, device)
+        self.link = link
+        self.device_cost = device
+        self.state: CompressionState | None = None
+        self.tensor_device: torch.device = torch.device("cpu")
+        self.calibration_s = 0.0
+        self._buckets: dict[int, BucketChoice] = {}  # id(BucketPlan) -> choice
+        self._by_index: dict[int, BucketChoice] = {}  # DDP bucket index -> its latest choice
+        self._used: dict[int, BucketChoice] = {}  # since the last decision
+        self._work_predicted = 0.0  # predicted encode+decode seconds of the compressed runs since then
+        self._work_seen = -1.0  # the counters' encode_s + decode_s at the last decision (-1: not yet)
+        self.device_scale = 1.0  # measured / calibrated encode+decode time, from the last decision
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> tuple[str, AutoPolicy]:
+        """Pop the ``auto_*`` options from ``options``; return the candidate codec's name and a policy."""
+        candidate = options.pop("auto_codec", DEFAULT_CANDIDATE)
+        if not isinstance(candidate, str) or candidate in ("auto", "none", "fp16", "bf16"):
+            raise CodecError(f"auto_codec must name a compressing codec (topk, sign, qsgd, ...), got {candidate!r}")
+        policy = cls(
+            interval=options.pop("auto_interval", DEFAULT_INTERVAL),
+            margin=options.pop("auto_margin", DEFAULT_MARGIN),
+            link=options.pop("auto_link", None),
+            device=options.pop("auto_device", None),
+        )
+        return candidate, policy
+
+    def bind(self, state: CompressionState, device: torch.device) -> AutoPolicy:
+        """Attach to ``state`` (once); ``device`` is where the model's gradients live."""
+        if self.state is not None:
+            raise CodecError("an AutoPolicy serves one CompressionState")
+        self.state = state
+        self.tensor_device = device
+        return self
+
+    def _state(self) -> CompressionState:
+        if self.state is None:
+            raise CodecError("AutoPolicy is not bound to a CompressionState")
+        return self.state
+
+    def config(self) -> dict[str, Any]:
+        """What all ranks must agree on (plain types)."""
+        link, device = self._given
+        return {
+            "interval": self.interval, "margin": self.margin,
+            "link": None if link is None else [link.alpha, link.beta],
+            "device": None if device is None else [device.encode_s, device.decode_s, device.pass_s,
+                                                   device.cast_s, device.mask_s],
+        }
+
+    # ----- calibration ----------------------------------------------------------------------
+    @property
+    def calibrated(self) -> bool:
+        """True once link and device costs are known."""
+        return self.link is not None and self.device_cost is not None
+
+    def calibrate(self) -> None:
+        """Measure what was not given (collectives on the state's group: every rank calls this)."""
+        state = self._state()
+        t = time.perf_counter()
+        if self.link is None:
+            self.link = calibrate_link(state.process_group, self.tensor_device)
+        if self.device_cost is None:
+            masking = state.momentum_masking and state.feedback is not None
+            self.device_cost = calibrate_device(
+                state.codec, feedback=state.feedback is not None, masking=masking,
+                device=self.tensor_device, group=state.process_group,
+            )
+            if state.world_size > 1 and self._given[0] is None:
+                # the fp16 and compressed paths as they really run on this group, less the link's
+                # time for their bytes (with a given link that time is not the group's: skipped)
+                c = self.device_cost
+                cast = calibrate_cast(self.link, state.process_group, self.tensor_device)
+                self.device_cost = calibrate_compressed(
+                    state.codec, state.algorithm, self.link, DeviceCost(c.encode_s, c.decode_s, c.pass_s, cast, c.mask_s),
+                    feedback=state.feedback is not None, group=state.process_group, device=self.tensor_device,
+                )
+        self.calibration_s = time.perf_counter() - t
+        logger.info("commpress auto: link alpha %.1f us, %.2f Gbit/s; %r encode %.2f ns/element, decode %.2f "
+                    "(calibrated in %.2f s)", self.link.alpha * 1e6, self.link.gbit, state.codec,
+                    self.device_cost.encode_s * 1e9, self.device_cost.decode_s * 1e9, self.calibration_s)
+
+    def set_link(self, link: Link) -> None:
+        """Use ``link`` from now on (every bucket is predicted again; they may switch at the next decision)."""
+        if not isinstance(link, Link):
+            raise CodecError(f"link must be a Link, got {link!r}")
+        self.link = link
+        for b in self._buckets.values():
+            b.predicted = self._predict(b.entries, b.dtype)
+
+    # ----- per bucket -------------------------------------------------------------------------
+    def _predict(self, entries: tuple[Entry, ...], dtype: torch.dtype) -> dict[str, float]:
+        state = self._state()
+        if not self.calibrated:
+            self.calibrate()  # verify=False: the first bucket, after the deferred check
+        assert self.link is not None and self.device_cost is not None
+        out = predict(entries, state.world_size, self.link, self.device_cost, state.codec, state.algorithm, dtype)
+        if not any(e.compressed for e in entries):
+            out.pop("compressed")  # nothing to compress: dense frames would only cost more
+        return out
+
+    def choose(self, plan: BucketPlan, index: int) -> str:
+        """The option of this bucket now (decided from the prediction at its first call)."""
+        b = self._buckets.get(id(plan))
+        if b is None:
+            entries = tuple(Entry(p.numel, p.compressed) for p in plan.params)
+            dtype = plan.params[0].dtype if plan.params else torch.float32
+            predicted = self._predict(entries, dtype)
+            b = BucketChoice(index, entries, predicted, "dense", "dense: no option predicted faster by the margin",
+                             dtype=dtype,
+                             compressed_numel=sum(e.numel for e in entries if e.compressed),
+                             decodes=compressed_plan(entries, self._state().codec, self._state().algorithm,
+                                                     self._state().world_size)["decodes"])
+            self.decide(b, first=True)
+            self._buckets[id(plan)] = b
+        b.index = index
+        self._by_index[index] = b
+        self._used[id(plan)] = b
+        return b.option
+
+    def reduce(self, plan: BucketPlan, buffer: torch.Tensor, option: str) -> torch.futures.Future[torch.Tensor]:
+        """Reduce a bucket dense or as fp16, first flushing residuals left by compressed steps."""
+        state = self._state()
+        b = self._buckets[id(plan)]
+        start = time.perf_counter()
+        if b.needs_flush:
+            state.flush_residuals(plan, buffer)
+            b.needs_flush = False
+        wire = torch.float16 if option == "fp16" else None
+        fut = comm.allreduce_mean(buffer, group=state.process_group, wire_dtype=wire, stats=state.counters)
+        return self.timed(plan, option, start, fut)
+
+    def timed(
+        self, plan: BucketPlan, option: str, start: float, fut: torch.futures.Future[torch.Tensor]
+    ) -> torch.futures.Future[torch.Tensor]:
+        """``fut``, recording the seconds from ``start`` until its average is in place."""
+        b = self._buckets[id(plan)]
+        if option == "compressed":
+            b.needs_flush = True
+            cost = self.device_cost
+            if cost is not None:
+                self._work_predicted += b.compressed_numel * (cost.encode_s + b.decodes * cost.decode_s)
+
+        def done(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            value = f.value()
+            b.add(option, time.perf_counter() - start)
+            return value
+
+        return fut.then(done)
+
+    # ----- periodic decision -------------------------------------------------------------------
+    def end_step(self, step: int, device: torch.device | str) -> None:
+        """After step ``step``'s last bucket: every ``interval`` steps, re-decide (all ranks)."""
+        if (step + 1) % self.interval or not self._used:
+            return
+        used = sorted(self._used.values(), key=lambda b: b.index)
+        self._used = {}
+        state = self._state()
+        counters = state.counters.as_dict()
+        work = counters["encode_s"] + counters["decode_s"]
+        spent = work - self._work_seen if 0 <= self._work_seen <= work else 0.0  # reset_stats: skip
+        self._work_seen = work
+        values = [m for b in used for m in b.take_means()] + [spent, self._work_predicted]
+        self._work_predicted = 0.0
+        sums = torch.tensor(values, dtype=torch.float64, device=device)
+        if state.world_size > 1:
+            dist.all_reduce(sums, op=dist.ReduceOp.MAX, group=state.process_group)
+        reduced = sums.tolist()
+        spent_max, predicted_work = reduced[-2], reduced[-1]
+        if spent_max > 0 and predicted_work > 0 and self.device_cost is not None:
+            self.rescale_device(spent_max / predicted_work)
+        for i, b in enumerate(used):
+            for o, v in zip(OPTIONS, reduced[i * len(OPTIONS) : (i + 1) * len(OPTIONS)]):
+                if v > 0:
+                    b.measured[o] = v
+        for b in self._buckets.values():
+            self.decide(b)
+
+    def rescale_device(self, factor: float) -> None:
+        """Multiply the device costs' encode and decode by ``factor`` (measured / predicted); re-predict."""
+        if self.device_cost is None or not factor > 0 or not math.isfinite(factor):
+            return
+        c = self.device_cost
+        self.device_cost = DeviceCost(c.encode_s * factor, c.decode_s * factor, c.pass_s, c.cast_s, c.mask_s)
+        self.device_scale *= factor
+        for b in self._buckets.values():
+            b.predicted = self._predict(b.entries, b.dtype)
+
+    def decide(self, b: BucketChoice, first: bool = False) -> bool:
+        """Switch ``b`` when another option is predicted faster by its margin; True if it switched.
+
+        The margin is ``auto_margin`` doubled for every switch the bucket made (at most 50%).
+        ``first``: the bucket's first decision, from dense (exact, and what the model knows best:
+        every other option adds CPU work that it predicts less well), not counted as a switch.
+        """
+        cand = best(b.predicted)
+        cur = b.option
+        margin = min(0.5, self.margin * 2**b.switches)
+        if cand == cur or b.predicted[cand] >= b.predicted[cur] * (1.0 - margin):
+            return False
+        b.reason = (f"{cand} (predicted {b.predicted[cand] * 1e3:.2f} ms) beat {cur} (predicted "
+                    f"{b.predicted[cur] * 1e3:.2f} ms) by more than the {margin:.0%} margin"
+                    + (" at the first step" if first else ""))
+        b.option = cand
+        if first:
+            return True
+        b.switches += 1
+        logger.info("commpress auto: bucket %d -> %s", b.index, b.reason)
+        return True
+
+    # ----- reporting ---------------------------------------------------------------------------
+    def report(self) -> list[dict[str, Any]]:
+        """One row per current DDP bucket: index, elements, option, predicted/measured seconds, reason.
+
+        ``measured_s``: this rank's mean per option over the current interval where it ran in
+        it, else the last decision's (MAX over ranks).
+        """
+        return [
+            {"bucket": i, "numel": sum(e.numel for e in b.entries), "option": b.option,
+             "predicted_s": dict(b.predicted), "measured_s": {**b.measured, **b.running()}, "switches": b.switches,
+             "reason": b.reason}
+            for i, b in sorted(self._by_index.items())
+        ]
+
+    def stats(self) -> dict[str, float]:
+        """Flat numbers for ``CompressionState.stats()`` (``auto_b<index>_choice`` indexes :data:`OPTIONS`)."""
+        s: dict[str, float] = {"auto_calibration_s": self.calibration_s}
+        if self.link is not None:
+            s["auto_link_alpha_s"] = self.link.alpha
+            s["auto_link_gbit"] = self.link.gbit if math.isfinite(self.link.gbit) else 0.0
+        if self.device_cost is not None:
+            s["auto_encode_ns"] = self.device_cost.encode_s * 1e9
+            s["auto_decode_ns"] = self.device_cost.decode_s * 1e9
+            s["auto_device_scale"] = self.device_scale
+        for o in OPTIONS:
+            s[f"auto_{o}_buckets"] = sum(b.option == o for b in self._by_index.values())
+        s["auto_switches"] = sum(b.switches for b in self._buckets.values())
+        for i, b in sorted(self._by_index.items()):
+            s[f"auto_b{i}_choice"] = OPTIONS.index(b.option)
+            for o, v in b.predicted.items():
+                s[f"auto_b{i}_{o}_predicted_s"] = v
+            for o, v in b.measured.items():
+                s[f"auto_b{i}_{o}_measured_s"] = v
+        return s
+
+
+__all__ = ["AUTO_OPTIONS", "DEFAULT_CANDIDATE", "AutoPolicy", "BucketChoice"]

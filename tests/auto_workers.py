@@ -1,0 +1,98 @@
+"""Multi-rank workers for ``codec="auto"`` (launched by tests/test_auto.py through ddp_workers.launch)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+import commpress
+import commpress.ddp
+from commpress.comm.costmodel import OPTIONS, Link
+
+from ddp_workers import assert_all_ranks, assert_same_across_ranks, make_ddp, train_step
+
+FAST = Link(1e-6, 1e-12)  # ~8000 Gbit/s: dense is always cheapest
+SLOW = Link(1e-3, 8.0 / 1e6)  # 1 Mbit/s: compressing pays for every bucket with a compressed tensor
+
+
+def _choices(state: commpress.ddp.CompressionState) -> list[int]:
+    stats = state.stats()
+    return [int(v) for k, v in sorted(stats.items()) if k.endswith("_choice")]
+
+
+def _same_everywhere(values: list[int], what: str) -> None:
+    mine = torch.tensor(values, dtype=torch.int64)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    assert all(torch.equal(e, everyone[0]) for e in everyone), f"{what}: ranks chose differently {everyone}"
+
+
+def worker_calibrated(rank: int, world: int, steps: int) -> None:
+    """Real calibration on loopback: same choices and bit-identical parameters on every rank."""
+    ddp = make_ddp()
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    state = commpress.ddp.register(ddp, "auto", optimizer=opt, auto_interval=3)
+    assert state.auto is not None and state.auto.calibrated
+    for step in range(steps):
+        train_step(ddp, opt, rank, step)
+        assert_same_across_ranks(ddp, f"auto step {step}")
+    choices = _choices(state)
+    assert len(choices) >= 4, f"expected >= 4 buckets in stats, got {choices}"
+    _same_everywhere(choices, "auto choices")
+    link = state.auto.link
+    assert link is not None
+    _same_everywhere([int(link.alpha * 1e12), int(link.beta * 1e18)], "calibrated link")
+    stats = state.stats()
+    assert stats["auto_link_gbit"] > 0 and stats["auto_encode_ns"] > 0
+    report = state.auto.report()
+    assert all(r["option"] in OPTIONS and r["reason"] for r in report)
+    assert any(r["measured_s"] for r in report), "no bucket was measured"
+    if rank == 0 and os.environ.get("AUTO_DEBUG"):
+        print(stats, report)
+
+
+def worker_forced(rank: int, world: int) -> None:
+    """An injected slow link compresses; switched to a fast one, buckets go dense and flush residuals."""
+    ddp = make_ddp()
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    state = commpress.ddp.register(ddp, "auto", optimizer=opt, auto_codec="topk", ratio=0.05,
+                                   auto_link=SLOW, auto_interval=4, auto_margin=0.1)
+    assert state.auto is not None and state.auto.link == SLOW
+    compressed = [n for n, p in state.plans.items() if p.compressed]
+    for step in range(4):
+        train_step(ddp, opt, rank, step)
+        assert_same_across_ranks(ddp, f"slow link step {step}")
+    report = state.auto.report()
+    with_compressed = [r for r in report if r["option"] == "compressed"]
+    assert with_compressed, f"a slow link should compress some bucket: {report}"
+    # every bucket holding a compressed parameter compresses; the others stay dense or fp16
+    stats = state.stats()
+    assert stats["auto_compressed_buckets"] == len(with_compressed)
+    held = {n: state.residual(n) for n in compressed}
+    assert all(r is not None and float(r.abs().sum()) > 0 for r in held.values()), "top-k keeps residuals"
+    # the network turns fast: at the next decision (step 8) every bucket switches to dense
+    state.auto.set_link(FAST)
+    for step in range(4, 9):
+        train_step(ddp, opt, rank, step)
+        assert_same_across_ranks(ddp, f"fast link step {step}")
+    report = state.auto.report()
+    assert all(r["option"] == "dense" for r in report), f"a fast link should go dense: {report}"
+    assert state.stats()["auto_switches"] >= len(with_compressed)
+    for n in compressed:  # step 8 was dense: it flushed every residual into the all-reduce
+        r = state.residual(n)
+        assert_all_ranks(r is not None and float(r.abs().sum()) == 0.0, f"residual of {n} not flushed")
+    # staying dense: no oscillation at the next decisions
+    for step in range(9, 17):
+        train_step(ddp, opt, rank, step)
+    assert all(r["option"] == "dense" for r in state.auto.report())
+    _same_everywhere(_choices(state), "forced choices")
+    assert_all_ranks(bool(torch.isfinite(torch.cat([p.detach().reshape(-1) for p in ddp.parameters()])).all()),
+                     "non-finite parameters")
+
+
+def worker_both(rank: int, world: int, steps: int) -> None:
+    """Both scenarios in one launch (spawning ranks costs seconds)."""
+    worker_calibrated(rank, world, steps)
+    worker_forced(rank, world)

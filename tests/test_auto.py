@@ -1,0 +1,147 @@
+"""``codec="auto"``: the cost model (numbers in, decision out), the policy's hysteresis, 2-rank runs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import commpress
+import commpress.ddp
+from commpress.comm.costmodel import (
+    DeviceCost,
+    Entry,
+    Link,
+    best,
+    calibrate_device,
+    compressed_plan,
+    fit_link,
+    predict,
+)
+from commpress.ddp.auto import AutoPolicy, BucketChoice
+from commpress.wire.frame import FrameLayout
+
+import auto_workers
+import ddp_workers as w
+
+CPU = DeviceCost(encode_s=5e-9, decode_s=1e-9, pass_s=0.3e-9, cast_s=1e-9)
+BIG = (Entry(16_777_216, True), Entry(4096, False))  # the 17M MLP's big bucket: a matrix and a bias
+
+
+def test_link_formulas() -> None:
+    link = Link(1e-4, 1e-9)
+    assert link.allreduce(1e6, 4) == pytest.approx(6e-4 + 1.5e-3)
+    assert link.allgather(1e6, 4) == pytest.approx(3e-4 + 3e-3)
+    assert link.alltoall(1e6, 4) == pytest.approx(3e-4 + 0.75e-3)
+    assert link.allreduce(1e6, 1) == 0.0
+    assert Link.from_gbit(1.0).beta == pytest.approx(8e-9)
+    assert Link.from_gbit(10.0).gbit == pytest.approx(10.0)
+    with pytest.raises(commpress.CodecError, match="alpha"):
+        Link(-1.0, 0.0)
+    with pytest.raises(commpress.CodecError, match="encode_s"):
+        DeviceCost(math.nan, 0, 0, 0)
+
+
+def test_fit_link_recovers_alpha_beta() -> None:
+    truth = Link(2e-4, 8e-10)
+    sizes = [4096.0, 1 << 20, 1 << 23]
+    for n in (2, 4):
+        fitted = fit_link(sizes, [truth.allreduce(b, n) for b in sizes], n)
+        assert fitted.alpha == pytest.approx(truth.alpha, rel=1e-6)
+        assert fitted.beta == pytest.approx(truth.beta, rel=1e-6)
+    # noise-free latency-only data: no negative bandwidth
+    flat = fit_link(sizes, [1e-3, 1e-3, 1e-3], 2)
+    assert flat.alpha >= 0 and flat.beta >= 0
+    with pytest.raises(commpress.CodecError, match="points"):
+        fit_link([1.0], [1.0], 2)
+
+
+def test_compressed_plan_bytes_match_the_algorithms_frames() -> None:
+    topk = commpress.codecs.get("topk", ratio=0.01)
+    entries = (Entry(10_000, True), Entry(100, False))
+    frame = FrameLayout([(0, topk, 10_000), (1, commpress.codecs.get("none"), 100)], torch.float32).nbytes
+    plan = compressed_plan(entries, topk, "allgather", 4)
+    assert plan["allgather"] == frame and plan["decodes"] == 4 and plan["alltoall"] == 0
+    sign = commpress.codecs.get("sign")
+    two = compressed_plan(entries, sign, "twophase", 4)
+    assert two["alltoall"] > 0 and two["allgather"] < two["alltoall"] and two["decodes"] == 2
+    rk = commpress.codecs.get("randomk", ratio=0.01, scaled=False)
+    assert compressed_plan(entries, rk, "allreduce", 4)["allreduce"] == 4 * (100 + 100)
+    with pytest.raises(commpress.CodecError, match="algorithms"):
+        compressed_plan(entries, topk, "magic", 2)
+
+
+def test_predict_chooses_by_link_speed() -> None:
+    topk = commpress.codecs.get("topk", ratio=0.01)
+    fast = predict(BIG, 2, Link.from_gbit(400), CPU, topk, "allgather")
+    slow = predict(BIG, 2, Link.from_gbit(1), CPU, topk, "allgather")
+    assert best(fast) == "dense" and best(slow) == "compressed"
+    # dense is exactly the ring all-reduce plus one pass
+    numel = sum(e.numel for e in BIG)
+    assert fast["dense"] == pytest.approx(Link.from_gbit(400).allreduce(4 * numel, 2) + CPU.pass_s * numel)
+    # a codec too slow to encode and a cheap cast: fp16 wins at 10 Gbit/s
+    slow_codec = DeviceCost(encode_s=50e-9, decode_s=10e-9, pass_s=0.3e-9, cast_s=0.5e-9)
+    assert best(predict(BIG, 2, Link.from_gbit(10), slow_codec, topk, "allgather")) == "fp16"
+    # bf16 buckets have no fp16 option; ties go to the earlier option
+    assert "fp16" not in predict(BIG, 2, Link.from_gbit(10), CPU, topk, "allgather", torch.bfloat16)
+    assert best({"dense": 1.0, "fp16": 1.0, "compressed": 1.0}) == "dense"
+
+
+def test_calibrate_device_single_process() -> None:
+    cost = calibrate_device(commpress.codecs.get("topk", ratio=0.01), feedback=True, masking=True, numel=1 << 14)
+    assert cost.encode_s > 0 and cost.decode_s > 0 and cost.pass_s > 0 and cost.cast_s > 0 and cost.mask_s > 0
+
+
+def _bucket(predicted: dict[str, float], option: str) -> BucketChoice:
+    return BucketChoice(0, BIG, dict(predicted), option, "first")
+
+
+def test_hysteresis_margin_and_backoff() -> None:
+    policy = AutoPolicy(margin=0.1)
+    b = _bucket({"dense": 1.0, "fp16": 0.95, "compressed": 2.0}, "dense")
+    assert not policy.decide(b) and b.option == "dense"  # 5% faster: inside the margin
+    b.predicted["fp16"] = 0.85
+    assert policy.decide(b) and b.option == "fp16" and b.switches == 1 and "margin" in b.reason
+    # back again needs 20% now (the margin doubles per switch): 15% is not enough
+    b.predicted.update(dense=0.85 * 0.85)
+    assert not policy.decide(b) and b.option == "fp16"
+    b.predicted.update(dense=0.85 * 0.75)
+    assert policy.decide(b) and b.option == "dense" and b.switches == 2
+    # the margin stops at 50%
+    b.switches = 10
+    b.predicted.update(compressed=0.2 * b.predicted["dense"])
+    assert policy.decide(b) and b.option == "compressed"
+
+
+def test_auto_options_are_checked() -> None:
+    with pytest.raises(commpress.CodecError, match="auto_codec"):
+        AutoPolicy.from_options({"auto_codec": "fp16"})
+    with pytest.raises(commpress.CodecError, match="auto_interval"):
+        AutoPolicy.from_options({"auto_interval": 0})
+    with pytest.raises(commpress.CodecError, match="auto_margin"):
+        AutoPolicy.from_options({"auto_margin": 1.5})
+    with pytest.raises(commpress.CodecError, match="auto_link"):
+        AutoPolicy.from_options({"auto_link": (1e-4, 1e-9)})
+    options = {"auto_codec": "topk", "ratio": 0.01, "auto_interval": 7}
+    name, policy = AutoPolicy.from_options(options)
+    assert name == "topk" and policy.interval == 7 and options == {"ratio": 0.01}
+    model = torch.nn.Linear(64, 64)
+    with pytest.raises(commpress.CodecError, match="ratio"):
+        commpress.ddp.CompressionState(model, "auto", auto_codec="topk", ratio=2.0)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        commpress.ddp.CompressionState(model, "auto")
+
+
+def test_auto_two_ranks() -> None:
+    """Calibrated on loopback: same choices and parameters everywhere; a forced slow link
+    compresses, a fast one goes dense and flushes the residuals, and stays there."""
+    w.launch(auto_workers.worker_both, 2, 8)
+
+
+def test_first_decision_starts_from_dense() -> None:
+    policy = AutoPolicy(margin=0.1)
+    close = _bucket({"dense": 1.0, "fp16": 0.95, "compressed": 0.93}, "dense")
+    assert not policy.decide(close, first=True) and close.option == "dense"
+    clear = _bucket({"dense": 1.0, "fp16": 0.95, "compressed": 0.3}, "dense")
+    assert policy.decide(clear, first=True) and clear.option == "compressed" and clear.switches == 0
