@@ -11,6 +11,7 @@ end elsewhere). Every rank writes ``<mode>_rank<r>.pt`` (final parameters and th
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -118,6 +119,11 @@ def run_accelerate(mode: str, out: Path) -> None:
         if mode == "full" and step == STEPS - 1:
             accelerator.save_state(str(out / "ckpt"))
     result(out, mode, rank, ddp.module, state.step)
+    # free the DDP reducer before the process group goes: torch 2.13 otherwise aborts at exit now
+    # and then ("terminate called without an active exception"; see ddp_workers._quiesce)
+    del ddp, opt, state
+    gc.collect()
+    accelerator.wait_for_everyone()
     accelerator.end_training()
 
 
