@@ -49,6 +49,24 @@ def check_codec_config(config: Any) -> dict[str, Any]:
     return dict(config)
 
 
+def check_state_header(state: Any, *, required: set[str], fmt: int, codec: Codec, what: str) -> None:
+    """What every commpress state loader checks first (error feedback, the DDP and FSDP states).
+
+    A mapping holding ``required`` (plus ``format`` and ``codec``), written in format ``fmt``, by
+    the same ``codec``: ValueError (:class:`CodecError` for another codec) naming what differs.
+    """
+    if not isinstance(state, Mapping):
+        raise ValueError(f"state must be a mapping, got {type(state).__name__}")
+    missing = ({"format", "codec"} | required) - set(state)
+    if missing:
+        raise ValueError(f"{what} is missing {sorted(missing)}")
+    if state["format"] != fmt:
+        raise ValueError(f"state format {state['format']!r} is not supported (expected {fmt})")
+    saved = from_config(check_codec_config(state["codec"]))
+    if saved != codec:
+        raise CodecError(f"codec mismatch: checkpoint has {saved!r}, this state uses {codec!r}")
+
+
 STATE_FORMAT = 1
 
 
@@ -229,16 +247,8 @@ class ErrorFeedback:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output after validating all of it (all or nothing)."""
-        if not isinstance(state, Mapping):
-            raise ValueError(f"state must be a mapping, got {type(state).__name__}")
-        missing = {"format", "codec", "residuals", "nonfinite_steps", "nonfinite_counts"} - set(state)
-        if missing:
-            raise ValueError(f"state is missing {sorted(missing)}")
-        if state["format"] != STATE_FORMAT:
-            raise ValueError(f"state format {state['format']!r} is not supported (expected {STATE_FORMAT})")
-        saved = from_config(check_codec_config(state["codec"]))
-        if saved != self.codec:
-            raise CodecError(f"codec mismatch: checkpoint has {saved!r}, this memory uses {self.codec!r}")
+        check_state_header(state, required={"residuals", "nonfinite_steps", "nonfinite_counts"},
+                           fmt=STATE_FORMAT, codec=self.codec, what="error-feedback state")
         residuals = state["residuals"]
         if not isinstance(residuals, Mapping):
             raise ValueError("state['residuals'] must be a mapping of key -> tensor")

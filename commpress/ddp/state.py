@@ -16,7 +16,7 @@ from ..codecs.base import all_finite
 from ..comm import CommStats, check_algorithm
 from ..comm.agreement import check_same_config
 from ..errors import CodecError
-from ..feedback import MAX_PLAUSIBLE_ABS, ErrorFeedback, check_codec_config, residual_dtype
+from ..feedback import MAX_PLAUSIBLE_ABS, ErrorFeedback, check_state_header, residual_dtype
 from ..rng import derive_seed
 from .auto import AutoPolicy
 from .guard import DivergenceGuard
@@ -549,20 +549,11 @@ class CompressionState:
         Raises ValueError (:class:`CodecError` for a codec mismatch) when the checkpoint was
         written with another codec, algorithm, world size or rank, or for other shapes.
         """
-        if not isinstance(state, Mapping):
-            raise ValueError(f"state must be a mapping, got {type(state).__name__}")
         required = {
-            "format", "codec", "algorithm", "error_feedback", "world_size", "rank", "seed", "step",
+            "algorithm", "error_feedback", "world_size", "rank", "seed", "step",
             "shapes", "feedback", "server_feedback", "momentum", "velocity",
         }
-        missing = required - set(state)
-        if missing:
-            raise ValueError(f"commpress DDP state is missing {sorted(missing)}")
-        if state["format"] != STATE_FORMAT:
-            raise ValueError(f"state format {state['format']!r} is not supported (expected {STATE_FORMAT})")
-        saved = codecs.from_config(check_codec_config(state["codec"]))
-        if saved != self.codec:
-            raise CodecError(f"codec mismatch: checkpoint has {saved!r}, this state uses {self.codec!r}")
+        check_state_header(state, required=required, fmt=STATE_FORMAT, codec=self.codec, what="commpress DDP state")
         if state["algorithm"] != self.algorithm:
             raise ValueError(f"algorithm mismatch: checkpoint has {state['algorithm']!r}, this state {self.algorithm!r}")
         if state["world_size"] != self.world_size:

@@ -39,7 +39,7 @@ from ..comm import CommStats, Slot, StepContext, piece_key, resolve_codec
 from ..comm.agreement import check_same_config
 from ..comm.reducescatter import reduce_scatter
 from ..errors import CodecError, ConfigurationError
-from ..feedback import ErrorFeedback
+from ..feedback import MAX_PLAUSIBLE_ABS, ErrorFeedback, check_state_header
 from ..rng import derive_seed
 from ..selection import DEFAULT_MIN_NUMEL, SelectionRule
 
@@ -408,18 +408,8 @@ class FSDPCompressionState:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output after validating all of it (all or nothing)."""
-        if not isinstance(state, Mapping):
-            raise ValueError(f"state must be a mapping, got {type(state).__name__}")
-        required = {"format", "codec", "error_feedback", "residual_dtype", "world_size", "rank", "seed", "calls",
-                    "residuals"}
-        missing = required - set(state)
-        if missing:
-            raise ValueError(f"commpress FSDP state is missing {sorted(missing)}")
-        if state["format"] != STATE_FORMAT:
-            raise ValueError(f"state format {state['format']!r} is not supported (expected {STATE_FORMAT})")
-        saved = codecs.from_config(dict(state["codec"]))
-        if saved != self.codec:
-            raise CodecError(f"codec mismatch: checkpoint has {saved!r}, this state uses {self.codec!r}")
+        required = {"error_feedback", "residual_dtype", "world_size", "rank", "seed", "calls", "residuals"}
+        check_state_header(state, required=required, fmt=STATE_FORMAT, codec=self.codec, what="commpress FSDP state")
         for what, mine in (("world_size", self.world_size), ("rank", self.rank),
                            ("error_feedback", self.error_feedback), ("residual_dtype", str(self.residual_dtype))):
             if state[what] != mine:
@@ -444,6 +434,8 @@ class FSDPCompressionState:
                 raise ValueError(f"residual {key!r} must be a tensor of shape {shapes[key]}")
             if value.dtype != self.residual_dtype or not bool(torch.isfinite(value).all()):
                 raise ValueError(f"residual {key!r} must be a finite {self.residual_dtype} tensor")
+            if value.numel() and float(value.abs().max()) > MAX_PLAUSIBLE_ABS:
+                raise ValueError(f"residual {key!r} holds {float(value.abs().max()):.3g}, beyond {MAX_PLAUSIBLE_ABS:g}")
         self.feedback = self._new_feedback()
         self._low = {}
         for key, value in residuals.items():
