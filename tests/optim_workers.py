@@ -83,6 +83,28 @@ def worker_dense_equivalence(rank: int, world: int) -> None:
         assert_all_ranks(diff < 1e-5, f"{optim}: hook momentum differs from SGD momentum by {diff}")
 
 
+def worker_value_blind_gain(rank: int, world: int) -> None:
+    """Random-k (value-blind) with nothing dropped: compressed parameters get SGD without
+    momentum at ``lr * gain``, dense (1-D) ones keep the hook's velocity, as SGD momentum."""
+    for optim in ({"momentum": 0.9}, {"momentum": 0.9, "nesterov": True}, {"momentum": 0.8, "dampening": 0.5}):
+        rule = commpress.ddp.optim.MomentumRule(optim["momentum"], optim.get("dampening", 0.0), bool(optim.get("nesterov")))
+        ref = make_ddp()
+        weights = [p for p in ref.parameters() if p.dim() > 1]
+        biases = [p for p in ref.parameters() if p.dim() <= 1]
+        ref_opt = torch.optim.SGD([{"params": weights, "lr": 0.05 * rule.gain, "momentum": 0.0},
+                                   {"params": biases, "lr": 0.05, **optim}], lr=0.05)
+        ddp = make_ddp()
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, **optim)
+        state = commpress.ddp.register(ddp, "randomk", optimizer=opt, ratio=1.0, min_numel=0)
+        for step in range(6):
+            train_step(ref, ref_opt, rank, step)
+            train_step(ddp, opt, rank, step)
+        compressed = {n for n, p in ddp.module.named_parameters() if p.dim() > 1}
+        assert_all_ranks(not compressed & set(state.velocity), f"{optim}: a value-blind parameter kept a velocity")
+        diff = float((flat_params(ref) - flat_params(ddp)).abs().max())
+        assert_all_ranks(diff < 1e-5, f"{optim}: random-k's momentum gain differs from SGD at lr*gain by {diff}")
+
+
 def worker_checkpoint(rank: int, world: int, phase: str, outdir: str, half: int) -> None:
     """SGD with Nesterov, then AdamW (its compressed-momentum phase), through one checkpoint each."""
     _checkpoint_case(rank, phase, outdir, half, "sgd",

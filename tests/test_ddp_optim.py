@@ -51,6 +51,20 @@ def test_hook_momentum_equals_sgd_momentum_when_nothing_is_dropped() -> None:
     w.launch(ow.worker_dense_equivalence, 2, timeout=240)
 
 
+@pytest.mark.parametrize("rule", [MomentumRule(0.9), MomentumRule(0.8, 0.5), MomentumRule(0.9, 0.0, True),
+                                  MomentumRule(0.5, 0.2, True)])
+def test_momentum_gain_is_the_velocitys_steady_state(rule: MomentumRule) -> None:
+    u, g = 0.0, 1.0
+    for _ in range(400):
+        u = rule.momentum * u + (1 - rule.dampening) * g
+    applied = g + rule.momentum * u if rule.nesterov else u
+    assert rule.gain == pytest.approx(applied, rel=1e-9)
+
+
+def test_value_blind_codecs_apply_momentum_as_a_gain() -> None:
+    w.launch(ow.worker_value_blind_gain, 2, timeout=240)
+
+
 @pytest.mark.parametrize("world", [2])
 def test_compressed_training_tracks_dense_with_the_users_sgd(world: int, tmp_path: Path) -> None:
     """Digits MLP, the user's SGD (momentum 0.9, Nesterov) and AdamW: top-k 1% and sign at defaults."""

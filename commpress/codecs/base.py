@@ -188,6 +188,11 @@ class Codec(ABC):
     #: Every element is represented (a quantizer), so an average can be re-encoded at the same
     #: size: the two-phase all-reduce suits it. Sparse codecs all-gather instead.
     reencodable: ClassVar[bool] = False
+    #: Which elements are sent does not depend on their values (random-k): an element waits
+    #: about ``1/delta`` steps in the error-feedback residual however large it grows. The DDP
+    #: hook then applies SGD momentum as its steady-state gain instead of a velocity
+    #: (:meth:`commpress.ddp.optim.MomentumRule.gain`).
+    value_blind: ClassVar[bool] = False
 
     def block_alignment(self) -> int:
         """Elements per scale block: pieces of a tensor cut for a collective keep this alignment."""

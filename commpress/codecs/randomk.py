@@ -61,6 +61,7 @@ class RandomKCodec(Codec):
     codec_id = 5
     stochastic = True
     summable = True  # every rank draws the same indices from the shared seed
+    value_blind = True  # indices come from the seed alone
 
     def __init__(self, ratio: float | None = None, k: int | None = None, scaled: bool = True) -> None:
         # Scaling by d/k makes the estimate unbiased but multiplies its variance by ~d/k (100x at

@@ -43,6 +43,17 @@ class MomentumRule:
     dampening: float = 0.0
     nesterov: bool = False
 
+    @property
+    def gain(self) -> float:
+        """What the velocity multiplies a constant gradient by in the long run.
+
+        ``u = m*u + (1-d)*g`` settles at ``(1-d)/(1-m) * g``; Nesterov's ``g + m*u`` at
+        ``(1 + m(1-d)/(1-m)) * g``. Used instead of a velocity where the residual already holds
+        each element for far longer than the momentum remembers (value-blind codecs).
+        """
+        m, d = self.momentum, self.dampening
+        return 1.0 + m * (1.0 - d) / (1.0 - m) if self.nesterov else (1.0 - d) / (1.0 - m)
+
     def as_list(self) -> list[Any]:
         """Plain form for configs and checkpoints."""
         return [self.momentum, self.dampening, self.nesterov]

