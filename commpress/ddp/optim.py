@@ -154,7 +154,7 @@ class FrozenVarianceAdam:
     ``bound_updates=False`` drops that bound, for top-k: a value it sends is the momentum of
     every step since the element was last sent, so one step's bound cut most of it (and error
     feedback cannot return what the bound cut). Measured with AdamW, 2 ranks: byte LM (200 steps)
-    top-k 1% +2.01% of dense's loss with the bound, +1.25% without; digits MLP 94.2% -> 95.0%
+    top-k 1% +2.01% of dense's loss with the bound, +1.25% without; digits MLP 95.2% -> 95.0%
     (dense 96.0%). Random-k keeps it: its sends are blind bursts of ~1/ratio steps, and without
     the bound it diverged on digits (95.7% -> 8.3%).
     """
