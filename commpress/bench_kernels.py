@@ -110,17 +110,21 @@ def kernels(backend: str) -> object:
     return torch.ops.commpress if backend == "native" else backends.module(backend)
 
 
-def bench_size(
-    device: str,
-    label: str,
-    n: int,
-    threads: str,
-    mrt: float,
-    with_ref: bool,
-    only: list[str],
-    backend_names: list[str],
-) -> list[Row]:
+@dataclass(frozen=True)
+class Setting:
+    """One block of the table: a size, a thread count and how to time it."""
+
+    label: str  # the size's name in SIZES
+    n: int  # elements
+    threads: str  # the thread count as shown ("-" on a GPU)
+    mrt: float  # seconds per measurement
+    with_ref: bool  # also time the pure-torch references
+    only: list[str]  # only the ops whose name contains one of these (all when empty)
+
+
+def bench_size(device: str, setting: Setting, backend_names: list[str]) -> list[Row]:
     """Time every op on one size and thread count, on each backend; references once."""
+    label, n, threads, mrt = setting.label, setting.n, setting.threads, setting.mrt
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, generator=g).to(device)
     e = (torch.randn(n, generator=g) * 0.1).to(device)
@@ -133,18 +137,13 @@ def bench_size(
     copy_gbps = 8 * n / copy_s / 1e9
     rows.append(Row(label, threads, "torch", "copy_", copy_s * 1e3, 8, copy_gbps, 100.0))
     for backend in backend_names:
-        rows += _bench_backend(backend, label, n, threads, mrt, with_ref, only, x, e, out, k, copy_gbps, rows)
+        rows += _bench_backend(backend, setting, x, e, out, k, copy_gbps, rows)
     return rows
 
 
 def _bench_backend(
     backend: str,
-    label: str,
-    n: int,
-    threads: str,
-    mrt: float,
-    with_ref: bool,
-    only: list[str],
+    setting: Setting,
     x: torch.Tensor,
     e: torch.Tensor,
     out: torch.Tensor,
@@ -153,6 +152,8 @@ def _bench_backend(
     earlier: list[Row],
 ) -> list[Row]:
     """Time every op of one backend (references: timed for the first backend only)."""
+    label, n, threads, mrt = setting.label, setting.n, setting.threads, setting.mrt
+    with_ref, only = setting.with_ref, setting.only
     c: Any = kernels(backend)
     rows: list[Row] = []
     scales, bits = c.sign_encode(x, None, 0)
@@ -321,9 +322,8 @@ def main(argv: list[str] | None = None) -> None:
             if shown == "all":
                 shown = str(all_threads)
             print(f"... {label} elements, threads {shown}", file=sys.stderr, flush=True)
-            rows += bench_size(
-                args.device, label, SIZES[label], shown, args.min_run_time, not args.no_reference, args.ops, chosen
-            )
+            setting = Setting(label, SIZES[label], shown, args.min_run_time, not args.no_reference, args.ops)
+            rows += bench_size(args.device, setting, chosen)
     print()
     print(table(rows, markdown=False))
     goal_lines = targets(rows, args.device)

@@ -1,9 +1,12 @@
-"""The shared shape of the block codecs' reference decoders (sign, QSGD).
+"""The shared shape of the block codecs' reference encoders and decoders (sign, QSGD).
 
-Both decode one value per block (a sign scale, a QSGD norm) spread over the block's
-elements and combined with a per-element field; :func:`add_block_values` owns the part they
-share -- zero the output unless accumulating, nothing to do for an empty output, spread the
-per-block value in the compute dtype, add in the output dtype -- so the two specifications
+Both encode with optional fused error feedback: :func:`corrected_input` owns what is encoded
+(``x``, or ``x + residual`` rounded to x's dtype, NaN/Inf refused before anything is written)
+and :func:`feed_back` the residual update after encoding (``residual = x + residual -
+decode(w)``). Both decode one value per block (a sign scale, a QSGD norm) spread over the
+block's elements and combined with a per-element field; :func:`add_block_values` owns the part
+they share -- zero the output unless accumulating, nothing to do for an empty output, spread
+the per-block value in the compute dtype, add in the output dtype -- so the two specifications
 differ only in how a field scales the block's value.
 """
 
@@ -13,7 +16,43 @@ from collections.abc import Callable
 
 import torch
 
+from ..errors import NonFiniteError
 from .base import compute_dtype
+
+
+def corrected_input(
+    x: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(w, corrected)``: the values to encode, and ``x + residual`` in the compute dtype.
+
+    Without ``residual``: ``(x, None)``. Raises :class:`NonFiniteError` for NaN/Inf in ``w``.
+    """
+    if residual is None:
+        corrected, w = None, x
+    else:
+        corrected = x.to(compute_dtype(x.dtype)) + residual
+        w = corrected.to(x.dtype)
+    if x.numel() and not bool(torch.isfinite(w).all()):
+        what = "x" if residual is None else "x + residual"
+        raise NonFiniteError(f"{what} contains NaN or Inf; commpress does not encode non-finite values")
+    return w, corrected
+
+
+def feed_back(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    corrected: torch.Tensor | None,
+    decode: Callable[[torch.Tensor], None],
+) -> None:
+    """``residual = corrected - decode(w)``; nothing without a residual.
+
+    ``decode(out)`` writes the decoded ``w`` into ``out`` (x's dtype and size).
+    """
+    if residual is None or corrected is None:
+        return
+    decoded = torch.empty(x.numel(), dtype=x.dtype, device=x.device)
+    decode(decoded)
+    residual.copy_(corrected.sub_(decoded.to(compute_dtype(x.dtype))))
 
 
 def add_block_values(

@@ -20,8 +20,11 @@ from .base import Codec, all_finite, check_values_fit, require_finite
 
 
 class _CastCodec(Codec):
+    """What fp16 and bf16 share: one section of the 16-bit dtype, values that sum on the wire."""
+
     wire_dtype: ClassVar[torch.dtype]
     overflow_hint: ClassVar[str]
+    summable = True
 
     def config(self) -> dict[str, Any]:
         """Return ``{"name": <fp16|bf16>}``."""
@@ -63,9 +66,7 @@ class Fp16Codec(_CastCodec):
 
     name = "fp16"
     codec_id = 2
-    wire_dtype = torch.float16
-    cast_dtype = torch.float16
-    summable = True
+    wire_dtype = cast_dtype = torch.float16
     overflow_hint = "use the bf16 codec, which has float32's range"
 
 
@@ -74,7 +75,5 @@ class Bf16Codec(_CastCodec):
 
     name = "bf16"
     codec_id = 3
-    wire_dtype = torch.bfloat16
-    cast_dtype = torch.bfloat16
-    summable = True
+    wire_dtype = cast_dtype = torch.bfloat16
     overflow_hint = "use the none codec for float64 values this large"

@@ -41,10 +41,9 @@ from ..bitpack import pack_bits_reference, packed_nbytes, padding_is_zero, unpac
 from ..errors import CodecError, WireError
 from ..kernels import ops
 from ..wire.packet import Packet, Section
-from ._blocks import add_block_values
+from ._blocks import add_block_values, corrected_input, feed_back
 from .base import (
     Codec,
-    NonFiniteError,
     check_scales,
     compute_dtype,
     scale_dtype,
@@ -224,14 +223,7 @@ def encode_reference(
     """
     numel = x.numel()
     ct = compute_dtype(x.dtype)
-    if residual is None:
-        corrected, w = None, x
-    else:
-        corrected = x.to(ct) + residual
-        w = corrected.to(x.dtype)
-    if numel and not bool(torch.isfinite(w).all()):
-        what = "x" if residual is None else "x + residual"
-        raise NonFiniteError(f"{what} contains NaN or Inf; commpress does not encode non-finite values")
+    w, corrected = corrected_input(x, residual)
     nb = -(-numel // bucket)
     padded = torch.nn.functional.pad(w.to(ct), (0, nb * bucket - numel)).view(nb, bucket)
     norms = bucket_norms(padded).to(scale_dtype(x.dtype))
@@ -249,10 +241,9 @@ def encode_reference(
     level = torch.clamp(floor + (u < t - floor).to(ct), max=s).to(torch.int16)
     signed = torch.where(w < 0, -level, level)
     packed = pack_bits_reference((signed + s).to(torch.uint8), bits)
-    if residual is not None and corrected is not None:
-        decoded = torch.empty(numel, dtype=x.dtype, device=x.device)
-        decode_reference(norms, packed, bits, s, bucket, decoded, accumulate=False)
-        residual.copy_(corrected.sub_(decoded.to(ct)))
+    feed_back(
+        x, residual, corrected, lambda out: decode_reference(norms, packed, bits, s, bucket, out, False)
+    )
     return norms, packed
 
 

@@ -29,12 +29,10 @@ from ..bitpack import pack_bits_reference, packed_nbytes, padding_is_zero, unpac
 from ..errors import CodecError, WireError
 from ..kernels import ops
 from ..wire.packet import Packet, Section
-from ._blocks import add_block_values
+from ._blocks import add_block_values, corrected_input, feed_back
 from .base import (
     Codec,
-    NonFiniteError,
     check_scales,
-    compute_dtype,
     scale_dtype,
     tree_sum,
 )
@@ -134,16 +132,8 @@ def encode_reference(
     :class:`NonFiniteError` for NaN/Inf in ``w`` and :class:`CodecError` when a scale
     overflows, in both cases before ``residual`` is touched.
     """
-    ct = compute_dtype(x.dtype)
     numel = x.numel()
-    if residual is None:
-        corrected, w = None, x
-    else:
-        corrected = x.to(ct) + residual
-        w = corrected.to(x.dtype)
-    if numel and not bool(torch.isfinite(w).all()):
-        what = "x" if residual is None else "x + residual"
-        raise NonFiniteError(f"{what} contains NaN or Inf; commpress does not encode non-finite values")
+    w, corrected = corrected_input(x, residual)
     size = block_size or numel
     nb = n_blocks(numel, block_size)
     mags = torch.nn.functional.pad(w.abs().double(), (0, nb * size - numel))
@@ -155,10 +145,9 @@ def encode_reference(
     if nb and not bool(torch.isfinite(scales).all()):
         raise CodecError(f"a block's mean magnitude overflows {scales.dtype} (NaN or Inf scale)")
     bits = pack_bits_reference((w < 0).to(torch.uint8), 1)
-    if residual is not None and corrected is not None:
-        decoded = torch.empty(numel, dtype=x.dtype, device=x.device)
-        decode_reference(scales, bits, block_size, decoded, accumulate=False)
-        residual.copy_(corrected.sub_(decoded.to(ct)))
+    feed_back(
+        x, residual, corrected, lambda out: decode_reference(scales, bits, block_size, out, False)
+    )
     return scales, bits
 
 

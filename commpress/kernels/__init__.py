@@ -2,7 +2,8 @@
 
 - :mod:`.ops`: one typed wrapper per op, argument validation, backend choice per op and
   device (``native`` extension, ``numba`` / ``cupy``, ``reference``);
-- :mod:`.backends`: the op names and the Python backends' registry;
+- :mod:`.schema`: every op's arguments, stated once (one typed record per op);
+- :mod:`.backends`: the Python backends' registry;
 - :mod:`.checks`: the kernel contract, one argument check per op, run before any backend;
 - :mod:`.numba_cpu`, :mod:`.cupy_cuda`: the Python backends (imported on first use).
 

@@ -14,20 +14,11 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-#: Every commpress kernel op (the schemas of ``csrc/registration.cpp``); each Python backend
-#: lists the ones it implements in its ``OPS``.
-OP_NAMES = (
-    "pack_bits",
-    "unpack_bits",
-    "sign_encode",
-    "sign_decode",
-    "qsgd_encode",
-    "qsgd_decode",
-    "topk_select",
-    "sparse_scatter_add",
-    "randomk_gather",
-    "randomk_scatter_add",
-)
+from . import schema
+
+#: Every commpress kernel op (the schemas of ``csrc/registration.cpp``, stated in
+#: :mod:`.schema`); each Python backend lists the ones it implements in its ``OPS``.
+OP_NAMES = schema.OP_NAMES
 
 #: backend name -> (module, device type it serves)
 PYTHON_BACKENDS = {

@@ -1,7 +1,7 @@
 """The kernel contract: one argument check per op, run once before any backend.
 
-:func:`commpress.kernels.ops` calls ``CHECKS[op](*args)`` (``args`` in the order of the native
-schemas, ``csrc/registration.cpp``) before it picks a backend, so native, numba, CuPy and the
+:func:`commpress.kernels.ops` calls ``CHECKS[op](a)`` (``a`` the op's argument record of
+:mod:`.schema`, the native schema's arguments) before it picks a backend, so native, numba, CuPy and the
 reference all see only arguments that passed this one statement of the contract. The Python
 backends check nothing themselves (numba and CuPy kernels do no bounds checking: they are reached
 only through :mod:`.ops`); the native ops keep just the checks that protect memory when
@@ -25,6 +25,7 @@ from .. import rng
 from ..bitpack import SUPPORTED_BITS
 from ..dtypes import FLOAT_DTYPES, accumulate_dtype
 from ..errors import KernelArgumentError, NonFiniteError
+from . import schema
 
 #: Largest value of the native schemas' ``int`` (int64).
 INT64_MAX = (1 << 63) - 1
@@ -155,104 +156,92 @@ def _seed(op: str, seed: Any) -> None:
     _int(op, "seed", seed, -(1 << 63))
 
 
-def check_pack_bits(fields: torch.Tensor, bits: int) -> str:
+def check_pack_bits(a: schema.PackBits) -> str:
     """``pack_bits``; returns the device type the op runs on (so do all checks)."""
     op = "pack_bits"
-    _bits(op, bits, SUPPORTED_BITS)
-    _vector(op, "fields", fields, (torch.uint8,))
-    return fields.device.type
+    _bits(op, a.bits, SUPPORTED_BITS)
+    _vector(op, "fields", a.fields, (torch.uint8,))
+    return a.fields.device.type
 
 
-def check_unpack_bits(packed: torch.Tensor, bits: int, n: int) -> str:
+def check_unpack_bits(a: schema.UnpackBits) -> str:
     """``unpack_bits``: ``packed`` holds exactly the bytes of ``n`` fields."""
     op = "unpack_bits"
-    _bits(op, bits, SUPPORTED_BITS)
-    _vector(op, "packed", packed, (torch.uint8,))
-    _int(op, "n", n, 0)
-    expected = packed_nbytes(n, bits)
-    if packed.numel() != expected:
-        raise fail(op, f"packed holds {packed.numel()} bytes, but n={n} fields of bits={bits} need {expected}")
-    return packed.device.type
+    _bits(op, a.bits, SUPPORTED_BITS)
+    _vector(op, "packed", a.packed, (torch.uint8,))
+    _int(op, "n", a.n, 0)
+    expected = packed_nbytes(a.n, a.bits)
+    if a.packed.numel() != expected:
+        raise fail(
+            op, f"packed holds {a.packed.numel()} bytes, but n={a.n} fields of bits={a.bits} need {expected}"
+        )
+    return a.packed.device.type
 
 
-def check_sign_encode(x: torch.Tensor, residual: torch.Tensor | None, block_size: int) -> str:
+def check_sign_encode(a: schema.SignEncode) -> str:
     """``sign_encode``."""
     op = "sign_encode"
-    _floats(op, "x", x)
-    _int(op, "block_size", block_size, 0)
-    _residual(op, residual, x)
-    return x.device.type
+    _floats(op, "x", a.x)
+    _int(op, "block_size", a.block_size, 0)
+    _residual(op, a.residual, a.x)
+    return a.x.device.type
 
 
-def check_sign_decode(
-    scales: torch.Tensor, bits: torch.Tensor, block_size: int, out: torch.Tensor, accumulate: bool = True
-) -> str:
+def check_sign_decode(a: schema.SignDecode) -> str:
     """``sign_decode``: one scale per block and one bit per output."""
-    op = "sign_decode"
+    op, out, block_size = "sign_decode", a.out, a.block_size
     _floats(op, "out", out)
-    _companion(op, "scales", scales, out, "out", accumulate_dtype(out.dtype))
-    _companion(op, "bits", bits, out, "out", torch.uint8)
+    _companion(op, "scales", a.scales, out, "out", accumulate_dtype(out.dtype))
+    _companion(op, "bits", a.bits, out, "out", torch.uint8)
     _int(op, "block_size", block_size, 0)
     n = out.numel()
     need = n_blocks(n, effective_block(n, block_size))
-    if scales.numel() != need:
-        raise fail(op, f"scales has {scales.numel()} elements, {n} outputs in blocks of {block_size} need {need}")
-    if bits.numel() != packed_nbytes(n, 1):
-        raise fail(op, f"bits has {bits.numel()} bytes, {n} outputs need {packed_nbytes(n, 1)}")
+    if a.scales.numel() != need:
+        raise fail(op, f"scales has {a.scales.numel()} elements, {n} outputs in blocks of {block_size} need {need}")
+    if a.bits.numel() != packed_nbytes(n, 1):
+        raise fail(op, f"bits has {a.bits.numel()} bytes, {n} outputs need {packed_nbytes(n, 1)}")
     return out.device.type
 
 
-def check_qsgd_encode(
-    x: torch.Tensor, residual: torch.Tensor | None, bits: int, levels: int, bucket_size: int, seed: int
-) -> str:
+def check_qsgd_encode(a: schema.QsgdEncode) -> str:
     """``qsgd_encode``."""
     op = "qsgd_encode"
-    _floats(op, "x", x)
-    _qsgd(op, bits, levels, bucket_size)
-    _residual(op, residual, x)
-    _seed(op, seed)
-    return x.device.type
+    _floats(op, "x", a.x)
+    _qsgd(op, a.bits, a.levels, a.bucket_size)
+    _residual(op, a.residual, a.x)
+    _seed(op, a.seed)
+    return a.x.device.type
 
 
-def check_qsgd_decode(
-    norms: torch.Tensor,
-    packed: torch.Tensor,
-    bits: int,
-    levels: int,
-    bucket_size: int,
-    out: torch.Tensor,
-    accumulate: bool = True,
-) -> str:
+def check_qsgd_decode(a: schema.QsgdDecode) -> str:
     """``qsgd_decode``: one norm per bucket and ``bits`` bits per output."""
-    op = "qsgd_decode"
+    op, out, bits, bucket_size = "qsgd_decode", a.out, a.bits, a.bucket_size
     _floats(op, "out", out)
-    _qsgd(op, bits, levels, bucket_size)
-    _companion(op, "norms", norms, out, "out", accumulate_dtype(out.dtype))
-    _companion(op, "packed", packed, out, "out", torch.uint8)
+    _qsgd(op, bits, a.levels, bucket_size)
+    _companion(op, "norms", a.norms, out, "out", accumulate_dtype(out.dtype))
+    _companion(op, "packed", a.packed, out, "out", torch.uint8)
     n = out.numel()
-    if norms.numel() != n_blocks(n, bucket_size):
+    if a.norms.numel() != n_blocks(n, bucket_size):
         raise fail(
-            op, f"norms has {norms.numel()} elements, {n} outputs in buckets of {bucket_size} need {n_blocks(n, bucket_size)}"
+            op, f"norms has {a.norms.numel()} elements, {n} outputs in buckets of {bucket_size} need {n_blocks(n, bucket_size)}"
         )
-    if packed.numel() != packed_nbytes(n, bits):
-        raise fail(op, f"packed has {packed.numel()} bytes, {n} fields of bits={bits} need {packed_nbytes(n, bits)}")
+    if a.packed.numel() != packed_nbytes(n, bits):
+        raise fail(op, f"packed has {a.packed.numel()} bytes, {n} fields of bits={bits} need {packed_nbytes(n, bits)}")
     return out.device.type
 
 
-def check_topk_select(x: torch.Tensor, k: int) -> str:
+def check_topk_select(a: schema.TopkSelect) -> str:
     """``topk_select``."""
-    op = "topk_select"
+    op, x, k = "topk_select", a.x, a.k
     _floats(op, "x", x)
     if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= x.numel():
         raise fail(op, f"k must be in [0, numel={x.numel()}], got {k}")
     return x.device.type
 
 
-def check_sparse_scatter_add(
-    indices: Sequence[torch.Tensor], values: Sequence[torch.Tensor], out: torch.Tensor
-) -> str:
+def check_sparse_scatter_add(a: schema.SparseScatterAdd) -> str:
     """``sparse_scatter_add`` (the index values are checked by the kernels, before any write)."""
-    op = "sparse_scatter_add"
+    op, indices, values, out = "sparse_scatter_add", a.indices, a.values, a.out
     _floats(op, "out", out)
     if len(indices) != len(values):
         raise fail(op, f"got {len(indices)} index tensors but {len(values)} value tensors")
@@ -268,30 +257,31 @@ def check_sparse_scatter_add(
     return out.device.type
 
 
-def check_randomk_gather(x: torch.Tensor, k: int, seed: int, scaled: bool) -> str:
+def check_randomk_gather(a: schema.RandomkGather) -> str:
     """``randomk_gather``."""
     op = "randomk_gather"
-    _floats(op, "x", x)
-    _strata(op, x.numel(), k)
-    _seed(op, seed)
-    return x.device.type
+    _floats(op, "x", a.x)
+    _strata(op, a.x.numel(), a.k)
+    _seed(op, a.seed)
+    return a.x.device.type
 
 
-def check_randomk_scatter_add(values: torch.Tensor, seed: int, out: torch.Tensor) -> str:
+def check_randomk_scatter_add(a: schema.RandomkScatterAdd) -> str:
     """``randomk_scatter_add``."""
-    op = "randomk_scatter_add"
+    op, values, out = "randomk_scatter_add", a.values, a.out
     _floats(op, "out", out)
     _vector(op, "values", values)
     _same_device(op, "values", values, out, "out")
     if values.dtype != out.dtype:
         raise fail(op, f"values has dtype {values.dtype}, out has {out.dtype}")
     _strata(op, out.numel(), values.numel())
-    _seed(op, seed)
+    _seed(op, a.seed)
     return out.device.type
 
 
-#: op name -> its check, called with the native schema's arguments; returns the device type.
-CHECKS: dict[str, Callable[..., str]] = {
+#: op name -> its check, called with the op's argument record (:mod:`.schema`); returns the device
+#: type the op runs on.
+CHECKS: dict[str, Callable[[Any], str]] = {
     "pack_bits": check_pack_bits,
     "unpack_bits": check_unpack_bits,
     "sign_encode": check_sign_encode,

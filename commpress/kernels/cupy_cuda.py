@@ -51,7 +51,6 @@ import os
 import re
 import tempfile
 import threading
-from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 from types import SimpleNamespace
@@ -62,10 +61,10 @@ import torch
 
 from .. import rng
 from ..dtypes import index_dtype
-from . import checks
-from .backends import OP_NAMES
+from . import checks, schema
+from .schema import implements
 
-OPS = frozenset(OP_NAMES)  # all of them
+OPS = frozenset(schema.OP_NAMES)  # all of them
 
 #: The CUDA sources the backend compiles at run time: csrc/ of the checkout (source and editable
 #: installs), else the copy setup.py puts into the package (wheels and ``pip install .``).
@@ -365,6 +364,16 @@ class _Launcher:
             self.unit.kernel(name)((grid,), (block,), args)
 
 
+def _per_item(launch: _Launcher, name: str, count: int, *args: Any) -> None:
+    """Launch ``name`` with a thread per item: ``grid(grid_items(count)), kThreads`` in C."""
+    launch(name, _p().grid_items(count), _p().kThreads, *args)
+
+
+def _per_word(launch: _Launcher, name: str, count: int, *args: Any) -> None:
+    """Launch ``name`` with a warp per 32 items: ``grid(grid_words(count)), kThreads`` in C."""
+    launch(name, _p().grid_words(count), _p().kThreads, *args)
+
+
 def _ptr(t: torch.Tensor | None, byte_offset: int = 0) -> np.uint64:
     # A kernel pointer argument: 8 bytes by value (null for an absent residual).
     return np.uint64(0 if t is None else t.data_ptr() + byte_offset)
@@ -383,69 +392,126 @@ def _layout(n: int, block: int) -> tuple[np.void, int, int]:
     return struct, nblocks, groups
 
 
-def _block_reduce(
-    launch: _Launcher,
-    kind: str,
-    x: torch.Tensor,
-    e: torch.Tensor | None,
-    amax_off: int | None,
-    layout: tuple[np.void, int, int],
-    scratch: torch.Tensor,
-    base: int,
-    flags: torch.Tensor,
-) -> int:
-    """block_sums.cuh launch_block_reduce; returns the double offset of the per-block values."""
-    struct, nblocks, groups = layout
-    t, has_e = _CTYPE[x.dtype], _BOOLS[e is not None]
-    amax = _ptr(scratch, 8 * amax_off) if amax_off is not None else np.uint64(0)
-    launch(
-        f"{_NS}group_sums_kernel<{_NS}{kind}, {t}, {has_e}>",
-        _p().grid_warps(nblocks * groups),
-        _p().kThreads,
-        _ptr(x),
-        _ptr(e),
-        amax,
-        struct,
-        _ptr(scratch, 8 * base),
-        _ptr(flags),
-    )
-    level = _BOOLS[kind == "kMaxAbs"]
-    src, per = base, groups
-    while per > 1:
-        per_out = _p().ceil_div(per, _p().kWarp)
-        dst = src + nblocks * per
-        launch(
-            f"commpress::cuda::tree_level_kernel<{level}>",
-            _p().grid_warps(nblocks * per_out),
-            _p().kThreads,
-            _ptr(scratch, 8 * src),
-            np.int64(per),
-            np.int64(nblocks),
-            np.int64(per_out),
-            _ptr(scratch, 8 * dst),
+class _BlockEncode:
+    """One block codec's encode, launched as ``block_sums.cuh`` ``launch_block_encode`` does.
+
+    The sequence sign and QSGD share: the launcher's scratch (``commpress_reduce_scratch_cuda``)
+    and flag word, :meth:`reduce` (per-block sums into the scratch), :meth:`finalize` (one
+    thread per block writes its scale), :meth:`encode` (whole warps per 32 elements write the
+    packed output), then :meth:`raise_flags` reads the flag word like the binding does.
+    """
+
+    def __init__(self, unit: str, x: torch.Tensor, residual: torch.Tensor | None, block: int) -> None:
+        self.x, self.residual = x, residual
+        self.struct, self.nblocks, self.groups = _layout(x.numel(), block)
+        self.scratch = torch.empty(
+            _p().encode_scratch(self.nblocks, self.groups), dtype=torch.float64, device=x.device
         )
-        src, per = dst, per_out
-    return src
+        self.flags = torch.zeros(1, dtype=torch.int32, device=x.device)
+        self.launch = _Launcher(unit, x.device)
+        self.t, self.has_e = _CTYPE[x.dtype], _BOOLS[residual is not None]
+
+    def reduce(self, kind: str, amax_off: int | None = None, base: int = 0) -> int:
+        """block_sums.cuh launch_block_reduce; returns the double offset of the per-block values."""
+        amax = self.scratch_ptr(amax_off) if amax_off is not None else np.uint64(0)
+        nblocks, launch = self.nblocks, self.launch
+        launch(
+            f"{_NS}group_sums_kernel<{_NS}{kind}, {self.t}, {self.has_e}>",
+            _p().grid_warps(nblocks * self.groups),
+            _p().kThreads,
+            _ptr(self.x),
+            _ptr(self.residual),
+            amax,
+            self.struct,
+            self.scratch_ptr(base),
+            _ptr(self.flags),
+        )
+        level = _BOOLS[kind == "kMaxAbs"]
+        src, per = base, self.groups
+        while per > 1:
+            per_out = _p().ceil_div(per, _p().kWarp)
+            dst = src + nblocks * per
+            launch(
+                f"{_NS}tree_level_kernel<{level}>",
+                _p().grid_warps(nblocks * per_out),
+                _p().kThreads,
+                self.scratch_ptr(src),
+                np.int64(per),
+                np.int64(nblocks),
+                np.int64(per_out),
+                self.scratch_ptr(dst),
+            )
+            src, per = dst, per_out
+        return src
+
+    def scratch_ptr(self, offset: int) -> np.uint64:
+        """Pointer to the double at ``offset`` of the scratch."""
+        return _ptr(self.scratch, 8 * offset)
+
+    def finalize(self, kernel: str, *args: Any) -> None:
+        """Launch ``kernel`` (in ``commpress::cuda``) over the blocks, one thread per block."""
+        _per_item(self.launch, _NS + kernel, self.nblocks, *args)
+
+    def encode(self, kernel: str, *args: Any) -> None:
+        """Launch ``kernel`` (in ``commpress::cuda``) over the elements, one warp per 32."""
+        _per_word(self.launch, _NS + kernel, self.x.numel(), *args)
+
+    def raise_flags(self, op: str, scale: str, ct: torch.dtype) -> int:
+        """Read the flag word; NaN/Inf and an overflowing ``scale`` raise. Returns the flags."""
+        f = _read_flags(self.flags)
+        if f & _p().kFlagNonFinite:
+            raise checks.non_finite(op, self.residual is not None)
+        if f & _p().kFlagOverflow:
+            raise checks.overflow(op, scale, ct)
+        return f
+
+
+def _block_decode(
+    unit: str, kernel: str, out: torch.Tensor, block: int, before: tuple[Any, ...], after: tuple[Any, ...] = ()
+) -> None:
+    """A block codec's decode, ``block_sums.cuh`` ``launch_block_decode``: one warp per 32 outputs.
+
+    The kernel's arguments: ``before``, the layout, ``after``, then ``out``.
+    """
+    n = out.numel()
+    if n == 0:
+        return
+    struct, _, _ = _layout(n, block)
+    _per_word(_Launcher(unit, out.device), _NS + kernel, n, *before, struct, *after, _ptr(out))
 
 
 def _read_flags(flags: torch.Tensor) -> int:
     return int(flags.item())  # synchronises the stream, like the binding's read_flags
 
 
+def _check_finite(launch: _Launcher, x: torch.Tensor, flags: torch.Tensor) -> None:
+    """Launch ``check_finite_kernel``: sets kFlagNonFinite when ``x`` holds NaN/Inf."""
+    n = x.numel()
+    _per_item(
+        launch,
+        f"{_NS}check_finite_kernel<{_CTYPE[x.dtype]}>",
+        n,
+        _ptr(x),
+        np.int64(n),
+        _ptr(flags),
+    )
+
+
 # ----- bit packing --------------------------------------------------------------------------------
-def pack_bits(fields: torch.Tensor, bits: int) -> torch.Tensor:
+@implements(schema.PackBits)
+def pack_bits(a: schema.PackBits) -> torch.Tensor:
     """Pack ``bits``-wide fields LSB-first (specification: :mod:`commpress.bitpack`)."""
+    fields, bits = a.fields, a.bits
     n = fields.numel()
     packed = torch.empty(checks.packed_nbytes(n, bits), dtype=torch.uint8, device=fields.device)
     if n == 0:
         return packed
     first_bad = torch.full((1,), -1, dtype=torch.int64, device=fields.device)  # UINT64_MAX
     nbytes = packed.numel()
-    launch = _Launcher("bitpack", fields.device)
-    launch(
+    _per_item(
+        _Launcher("bitpack", fields.device),
         f"commpress::pack_kernel<{bits}>",
-        _p().grid_items(nbytes),
-        _p().kThreads,
+        nbytes,
         _ptr(fields),
         np.int64(n),
         _ptr(packed),
@@ -458,198 +524,114 @@ def pack_bits(fields: torch.Tensor, bits: int) -> torch.Tensor:
     return packed
 
 
-def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+@implements(schema.UnpackBits)
+def unpack_bits(a: schema.UnpackBits) -> torch.Tensor:
     """Unpack ``n`` fields of ``bits`` bits."""
-    fields = torch.empty(n, dtype=torch.uint8, device=packed.device)
-    if n:
-        _Launcher("bitpack", packed.device)(
-            f"commpress::unpack_kernel<{bits}>",
-            _p().grid_items(n),
-            _p().kThreads,
-            _ptr(packed),
-            np.int64(n),
+    fields = torch.empty(a.n, dtype=torch.uint8, device=a.packed.device)
+    if a.n:
+        _per_item(
+            _Launcher("bitpack", a.packed.device),
+            f"commpress::unpack_kernel<{a.bits}>",
+            a.n,
+            _ptr(a.packed),
+            np.int64(a.n),
             _ptr(fields),
         )
     return fields
 
 
 # ----- sign ---------------------------------------------------------------------------------------
-def sign_encode(
-    x: torch.Tensor, residual: torch.Tensor | None, block_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+@implements(schema.SignEncode)
+def sign_encode(a: schema.SignEncode) -> tuple[torch.Tensor, torch.Tensor]:
     """``(scales, bits)`` of sign; with ``residual``, fused error feedback (updated in place)."""
-    op = "sign_encode"
-    n = x.numel()
-    block = checks.effective_block(n, block_size)
-    scales, bits = checks.sign_outputs(x, block)
-    ct = scales.dtype
-    if n == 0:
+    block = checks.effective_block(a.x.numel(), a.block_size)
+    scales, bits = checks.sign_outputs(a.x, block)
+    if a.x.numel() == 0:
         return scales, bits
-    layout = _layout(n, block)
-    struct, nblocks, groups = layout
-    # the launcher's scratch: commpress_reduce_scratch_cuda
-    scratch = torch.empty(_p().encode_scratch(nblocks, groups), dtype=torch.float64, device=x.device)
-    flags = torch.zeros(1, dtype=torch.int32, device=x.device)
-    launch = _Launcher("sign", x.device)
-    t, has_e = _CTYPE[x.dtype], _BOOLS[residual is not None]
-    sums = _block_reduce(launch, "kSumAbs", x, residual, None, layout, scratch, 0, flags)
-    launch(
-        f"commpress::cuda::sign_finalize_kernel<{t}>",
-        _p().grid_items(nblocks),
-        _p().kThreads,
-        _ptr(scratch, 8 * sums),
-        struct,
+    enc = _BlockEncode("sign", a.x, a.residual, block)
+    sums = enc.reduce("kSumAbs")
+    enc.finalize(
+        f"sign_finalize_kernel<{enc.t}>",
+        enc.scratch_ptr(sums),
+        enc.struct,
         _ptr(scales),
-        _ptr(flags),
+        _ptr(enc.flags),
     )
-    launch(
-        f"commpress::cuda::sign_encode_kernel<{t}, {has_e}>",
-        _p().grid_words(n),
-        _p().kThreads,
-        _ptr(x),
-        _ptr(residual),
+    enc.encode(
+        f"sign_encode_kernel<{enc.t}, {enc.has_e}>",
+        _ptr(a.x),
+        _ptr(a.residual),
         _ptr(scales),
-        struct,
+        enc.struct,
         _ptr(bits),
-        _ptr(flags),
+        _ptr(enc.flags),
     )
-    f = _read_flags(flags)
-    if f & _p().kFlagNonFinite:
-        raise checks.non_finite(op, residual is not None)
-    if f & _p().kFlagOverflow:
-        raise checks.overflow(op, "a block's mean magnitude", ct)
+    enc.raise_flags("sign_encode", "a block's mean magnitude", scales.dtype)
     return scales, bits
 
 
-def sign_decode(
-    scales: torch.Tensor,
-    bits: torch.Tensor,
-    block_size: int,
-    out: torch.Tensor,
-    accumulate: bool = True,
-) -> None:
+@implements(schema.SignDecode)
+def sign_decode(a: schema.SignDecode) -> None:
     """``out (+)= +-scale`` per element."""
-    n = out.numel()
-    block = checks.effective_block(n, block_size)
-    if n == 0:
-        return
-    struct, _, _ = _layout(n, block)
-    _Launcher("sign", out.device)(
-        f"commpress::cuda::sign_decode_kernel<{_CTYPE[out.dtype]}, {_BOOLS[bool(accumulate)]}>",
-        _p().grid_words(n),
-        _p().kThreads,
-        _ptr(scales),
-        _ptr(bits),
-        struct,
-        _ptr(out),
-    )
+    kernel = f"sign_decode_kernel<{_CTYPE[a.out.dtype]}, {_BOOLS[bool(a.accumulate)]}>"
+    _block_decode("sign", kernel, a.out, a.block_size, (_ptr(a.scales), _ptr(a.bits)))
 
 
 # ----- qsgd ---------------------------------------------------------------------------------------
-def qsgd_encode(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    bits: int,
-    levels: int,
-    bucket_size: int,
-    seed: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+@implements(schema.QsgdEncode)
+def qsgd_encode(a: schema.QsgdEncode) -> tuple[torch.Tensor, torch.Tensor]:
     """``(norms, packed levels)`` of QSGD; with ``residual``, fused error feedback."""
-    op = "qsgd_encode"
-    n = x.numel()
-    norms, packed = checks.qsgd_outputs(x, bits, bucket_size)
-    ct = norms.dtype
-    if n == 0:
+    x = a.x
+    norms, packed = checks.qsgd_outputs(x, a.bits, a.bucket_size)
+    if x.numel() == 0:
         return norms, packed
-    layout = _layout(n, bucket_size)
-    struct, nblocks, groups = layout
-    # the launcher's scratch: commpress_reduce_scratch_cuda
-    scratch = torch.empty(_p().encode_scratch(nblocks, groups), dtype=torch.float64, device=x.device)
-    flags = torch.zeros(1, dtype=torch.int32, device=x.device)
-    launch = _Launcher("qsgd", x.device)
-    t, has_e = _CTYPE[x.dtype], _BOOLS[residual is not None]
+    enc = _BlockEncode("qsgd", x, a.residual, a.bucket_size)
     amax: int | None = None
     if x.dtype == torch.float64:
         # squares of float64 can overflow: divide by the bucket's max magnitude first
-        amax = _block_reduce(launch, "kMaxAbs", x, residual, None, layout, scratch, 0, flags)
-        sums = _block_reduce(
-            launch,
-            "kSumScaledSquare",
-            x,
-            residual,
-            amax,
-            layout,
-            scratch,
-            _p().second_reduction(nblocks, groups),
-            flags,
-        )
+        amax = enc.reduce("kMaxAbs")
+        sums = enc.reduce("kSumScaledSquare", amax, _p().second_reduction(enc.nblocks, enc.groups))
     else:
-        sums = _block_reduce(launch, "kSumSquare", x, residual, None, layout, scratch, 0, flags)
+        sums = enc.reduce("kSumSquare")
     limit = float(torch.finfo(x.dtype).max)
-    launch(
-        f"commpress::cuda::qsgd_finalize_kernel<{t}>",
-        _p().grid_items(nblocks),
-        _p().kThreads,
-        _ptr(scratch, 8 * sums),
-        _ptr(scratch, 8 * amax) if amax is not None else np.uint64(0),
-        struct,
+    enc.finalize(
+        f"qsgd_finalize_kernel<{enc.t}>",
+        enc.scratch_ptr(sums),
+        enc.scratch_ptr(amax) if amax is not None else np.uint64(0),
+        enc.struct,
         np.float64(limit),
         _ptr(norms),
-        _ptr(flags),
+        _ptr(enc.flags),
     )
-    launch(
-        f"commpress::cuda::qsgd_encode_kernel<{t}, {has_e}, {bits}>",
-        _p().grid_words(n),
-        _p().kThreads,
+    enc.encode(
+        f"qsgd_encode_kernel<{enc.t}, {enc.has_e}, {a.bits}>",
         _ptr(x),
-        _ptr(residual),
+        _ptr(a.residual),
         _ptr(norms),
-        struct,
-        np.int32(levels),
-        checks.rng_key(seed, rng.STREAM_QSGD),
+        enc.struct,
+        np.int32(a.levels),
+        checks.rng_key(a.seed, rng.STREAM_QSGD),
         _ptr(packed),
-        _ptr(flags),
+        _ptr(enc.flags),
     )
-    f = _read_flags(flags)
-    if f & _p().kFlagNonFinite:
-        raise checks.non_finite(op, residual is not None)
-    if f & _p().kFlagOverflow:
-        raise checks.overflow(op, "a bucket norm", ct)
-    if f & _p().kFlagTooBig:
-        raise checks.norm_above_range(op, norms, limit, x.dtype)
+    if enc.raise_flags("qsgd_encode", "a bucket norm", norms.dtype) & _p().kFlagTooBig:
+        raise checks.norm_above_range("qsgd_encode", norms, limit, x.dtype)
     return norms, packed
 
 
-def qsgd_decode(
-    norms: torch.Tensor,
-    packed: torch.Tensor,
-    bits: int,
-    levels: int,
-    bucket_size: int,
-    out: torch.Tensor,
-    accumulate: bool = True,
-) -> None:
+@implements(schema.QsgdDecode)
+def qsgd_decode(a: schema.QsgdDecode) -> None:
     """``out (+)= norm * ((field - s) / s)`` per element."""
-    n = out.numel()
-    if n == 0:
-        return
-    struct, _, _ = _layout(n, bucket_size)
-    _Launcher("qsgd", out.device)(
-        f"commpress::cuda::qsgd_decode_kernel<{_CTYPE[out.dtype]}, {bits}, {_BOOLS[bool(accumulate)]}>",
-        _p().grid_words(n),
-        _p().kThreads,
-        _ptr(norms),
-        _ptr(packed),
-        struct,
-        np.int32(levels),
-        _ptr(out),
-    )
+    kernel = f"qsgd_decode_kernel<{_CTYPE[a.out.dtype]}, {a.bits}, {_BOOLS[bool(a.accumulate)]}>"
+    before, after = (_ptr(a.norms), _ptr(a.packed)), (np.int32(a.levels),)
+    _block_decode("qsgd", kernel, a.out, a.bucket_size, before, after)
 
 
 # ----- top-k and sparse scatter-add ---------------------------------------------------------------
-def topk_select(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+@implements(schema.TopkSelect)
+def topk_select(a: schema.TopkSelect) -> tuple[torch.Tensor, torch.Tensor]:
     """``(indices, values)`` of the k largest ``|x|``, exact, ties to the lower index, ascending."""
-    op = "topk_select"
+    op, x, k = "topk_select", a.x, a.k
     n = x.numel()
     index64 = index_dtype(n) == torch.int64
     indices = torch.empty(k, dtype=index_dtype(n), device=x.device)
@@ -661,14 +643,7 @@ def topk_select(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     launch = _Launcher("topk", x.device)
     ns, lp = _NS, _p()
     if k == 0:  # nothing to select, but x must still be finite
-        launch(
-            f"{ns}check_finite_kernel<{t}>",
-            _p().grid_items(n),
-            _p().kThreads,
-            _ptr(x),
-            np.int64(n),
-            _ptr(flags),
-        )
+        _check_finite(launch, x, flags)
     else:
         # scratch (launch_params.h): SelectState, hist[kBins], counts, off_gt, off_eq
         scratch = torch.zeros(lp.kTopkScratchWords, dtype=torch.int64, device=x.device)
@@ -743,10 +718,10 @@ def topk_select(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return indices, values
 
 
-def sparse_scatter_add(
-    indices: Sequence[torch.Tensor], values: Sequence[torch.Tensor], out: torch.Tensor
-) -> None:
+@implements(schema.SparseScatterAdd)
+def sparse_scatter_add(a: schema.SparseScatterAdd) -> None:
     """``out[indices[p]] += values[p]`` payload by payload; every payload is validated first."""
+    indices, values, out = a.indices, a.values, a.out
     if not indices:
         return
     n = out.numel()
@@ -756,10 +731,10 @@ def sparse_scatter_add(
     first_bad = torch.full((1,), -1, dtype=torch.int64, device=out.device)  # UINT64_MAX
     for p, idx in enumerate(indices):
         if idx.numel():
-            launch(
+            _per_item(
+                launch,
                 f"{ns}scatter_validate_kernel<{'int64_t' if idx.dtype == torch.int64 else 'int32_t'}>",
-                _p().grid_items(idx.numel()),
-                _p().kThreads,
+                idx.numel(),
                 _ptr(idx),
                 np.int64(idx.numel()),
                 np.int64(n),
@@ -769,10 +744,10 @@ def sparse_scatter_add(
     t = _CTYPE[out.dtype]
     for idx, val in zip(indices, values):
         if idx.numel():
-            launch(
+            _per_item(
+                launch,
                 f"{ns}scatter_add_kernel<{'int64_t' if idx.dtype == torch.int64 else 'int32_t'}, {t}>",
-                _p().grid_items(idx.numel()),
-                _p().kThreads,
+                idx.numel(),
                 _ptr(idx),
                 _ptr(val),
                 np.int64(idx.numel()),
@@ -789,9 +764,10 @@ def sparse_scatter_add(
 
 
 # ----- random-k -----------------------------------------------------------------------------------
-def randomk_gather(x: torch.Tensor, k: int, seed: int, scaled: bool) -> torch.Tensor:
+@implements(schema.RandomkGather)
+def randomk_gather(a: schema.RandomkGather) -> torch.Tensor:
     """The k values random-k sends (one per stratum, shared-seed positions)."""
-    op = "randomk_gather"
+    op, x, k = "randomk_gather", a.x, a.k
     n = x.numel()
     values = torch.empty(k, dtype=x.dtype, device=x.device)
     if n == 0:
@@ -799,23 +775,16 @@ def randomk_gather(x: torch.Tensor, k: int, seed: int, scaled: bool) -> torch.Te
     t = _CTYPE[x.dtype]
     flags = torch.zeros(1, dtype=torch.int32, device=x.device)
     launch = _Launcher("randomk", x.device)
-    launch(
-        f"commpress::cuda::check_finite_kernel<{t}>",
-        _p().grid_items(n),
-        _p().kThreads,
-        _ptr(x),
-        np.int64(n),
-        _ptr(flags),
-    )
-    launch(
+    _check_finite(launch, x, flags)
+    _per_item(
+        launch,
         f"commpress::cuda::gather_kernel<{t}>",
-        _p().grid_items(k),
-        _p().kThreads,
+        k,
         _ptr(x),
         np.int64(n),
         np.int64(k),
-        checks.rng_key(seed, rng.STREAM_RANDOMK),
-        np.bool_(scaled),
+        checks.rng_key(a.seed, rng.STREAM_RANDOMK),
+        np.bool_(a.scaled),
         _ptr(values),
         _ptr(flags),
     )
@@ -827,15 +796,17 @@ def randomk_gather(x: torch.Tensor, k: int, seed: int, scaled: bool) -> torch.Te
     return values
 
 
-def randomk_scatter_add(values: torch.Tensor, seed: int, out: torch.Tensor) -> None:
+@implements(schema.RandomkScatterAdd)
+def randomk_scatter_add(a: schema.RandomkScatterAdd) -> None:
     """``out[idx] += values`` at the seed's random-k positions."""
+    values, seed, out = a.values, a.seed, a.out
     k = values.numel()
     if k == 0:
         return
-    _Launcher("randomk", out.device)(
+    _per_item(
+        _Launcher("randomk", out.device),
         f"commpress::cuda::scatter_kernel<{_CTYPE[out.dtype]}>",
-        _p().grid_items(k),
-        _p().kThreads,
+        k,
         _ptr(values),
         np.int64(k),
         np.int64(out.numel()),

@@ -24,7 +24,6 @@ so only the first use on a machine pays the compile.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -33,10 +32,10 @@ import torch
 
 from .. import rng
 from ..dtypes import accumulate_dtype, index_dtype
-from . import checks
-from .backends import OP_NAMES
+from . import checks, schema
+from .schema import implements
 
-OPS = frozenset(OP_NAMES)  # all of them
+OPS = frozenset(schema.OP_NAMES)  # all of them
 
 # Rounding modes: the dtype whose values the reference rounds to.
 _EXACT, _HALF, _BF16 = 0, 1, 2
@@ -81,20 +80,21 @@ def _finish_write(out: torch.Tensor, work: torch.Tensor) -> None:
 
 
 # ----- bit packing -------------------------------------------------------------------------------
-def pack_bits(fields: torch.Tensor, bits: int) -> torch.Tensor:
+@implements(schema.PackBits)
+def pack_bits(a: schema.PackBits) -> torch.Tensor:
     """Pack ``bits``-wide fields LSB-first (specification: :mod:`commpress.bitpack`)."""
-    n = fields.numel()
-    packed = torch.empty(checks.packed_nbytes(n, bits), dtype=torch.uint8)
-    bad = _kernels().pack(_np(fields), bits, _np(packed))
+    packed = torch.empty(checks.packed_nbytes(a.fields.numel(), a.bits), dtype=torch.uint8)
+    bad = _kernels().pack(_np(a.fields), a.bits, _np(packed))
     if bad >= 0:
-        raise checks.field_too_wide(fields, bad, bits)
+        raise checks.field_too_wide(a.fields, bad, a.bits)
     return packed
 
 
-def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+@implements(schema.UnpackBits)
+def unpack_bits(a: schema.UnpackBits) -> torch.Tensor:
     """Unpack ``n`` fields of ``bits`` bits."""
-    fields = torch.empty(n, dtype=torch.uint8)
-    _kernels().unpack(_np(packed), bits, n, _np(fields))
+    fields = torch.empty(a.n, dtype=torch.uint8)
+    _kernels().unpack(_np(a.packed), a.bits, a.n, _np(fields))
     return fields
 
 
@@ -106,19 +106,28 @@ def _raise_encode_status(op: str, status: int, has_e: bool, what: str, dtype: to
         raise checks.overflow(op, what, accumulate_dtype(dtype))
 
 
-def sign_encode(
-    x: torch.Tensor, residual: torch.Tensor | None, block_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _residual_np(residual: torch.Tensor | None, xc: torch.Tensor) -> np.ndarray:
+    """The residual's array, or an empty one of the compute dtype (numba needs a typed array)."""
+    return _np(residual) if residual is not None else _np(xc[:0])
+
+
+@implements(schema.SignEncode)
+def sign_encode(a: schema.SignEncode) -> tuple[torch.Tensor, torch.Tensor]:
     """``(scales, bits)`` of sign; with ``residual``, fused error feedback (updated in place)."""
-    n = x.numel()
-    block = checks.effective_block(n, block_size)
+    x, residual = a.x, a.residual
+    block = checks.effective_block(x.numel(), a.block_size)
     scales, bits = checks.sign_outputs(x, block)
-    if n == 0:
+    if x.numel() == 0:
         return scales, bits
     xc = _as_compute(x)
-    e = _np(residual) if residual is not None else _np(xc[:0])
     status = _kernels().sign_encode(
-        _np(xc), e, residual is not None, _MODE[x.dtype], block, _np(scales), _np(bits)
+        _np(xc),
+        _residual_np(residual, xc),
+        residual is not None,
+        _MODE[x.dtype],
+        block,
+        _np(scales),
+        _np(bits),
     )
     _raise_encode_status(
         "sign_encode", status, residual is not None, "a block's mean magnitude", x.dtype
@@ -126,54 +135,54 @@ def sign_encode(
     return scales, bits
 
 
-def sign_decode(
-    scales: torch.Tensor,
-    bits: torch.Tensor,
-    block_size: int,
-    out: torch.Tensor,
-    accumulate: bool = True,
+def _block_decode(
+    kernel: str, out: torch.Tensor, block_size: int, accumulate: bool, *head: Any
 ) -> None:
-    """``out (+)= +-scale`` per element."""
+    """Run the block codec decode ``kernel(*head, block, out, accumulate, mode)`` into ``out``.
+
+    ``out`` is written through its compute-dtype working copy (sign and QSGD share this).
+    """
     block = checks.effective_block(out.numel(), block_size)
     if out.numel() == 0:
         return
     work = _as_compute(out)
-    _kernels().sign_decode(
-        _np(scales), _np(bits), block, _np(work), bool(accumulate), _MODE[out.dtype]
-    )
+    getattr(_kernels(), kernel)(*head, block, _np(work), bool(accumulate), _MODE[out.dtype])
     _finish_write(out, work)
 
 
+@implements(schema.SignDecode)
+def sign_decode(a: schema.SignDecode) -> None:
+    """``out (+)= +-scale`` per element."""
+    _block_decode("sign_decode", a.out, a.block_size, a.accumulate, _np(a.scales), _np(a.bits))
+
+
 # ----- qsgd --------------------------------------------------------------------------------------
-def qsgd_encode(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    bits: int,
-    levels: int,
-    bucket_size: int,
-    seed: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _level_count(levels: int, ct: torch.dtype) -> np.floating[Any]:
+    """QSGD's level count s as the kernels' compute float (float64 for float64, else float32)."""
+    return np.float64(levels) if ct == torch.float64 else np.float32(levels)
+
+
+@implements(schema.QsgdEncode)
+def qsgd_encode(a: schema.QsgdEncode) -> tuple[torch.Tensor, torch.Tensor]:
     """``(norms, packed levels)`` of QSGD; with ``residual``, fused error feedback."""
-    n = x.numel()
-    bucket_size = checks.effective_block(n, bucket_size)
-    norms, packed = checks.qsgd_outputs(x, bits, bucket_size)
+    x, residual = a.x, a.residual
+    bucket_size = checks.effective_block(x.numel(), a.bucket_size)
+    norms, packed = checks.qsgd_outputs(x, a.bits, bucket_size)
     ct = norms.dtype
-    if n == 0:
+    if x.numel() == 0:
         return norms, packed
     xc = _as_compute(x)
-    e = _np(residual) if residual is not None else _np(xc[:0])
     limit = float(torch.finfo(x.dtype).max)
-    level_count = np.float64(levels) if ct == torch.float64 else np.float32(levels)
     status = _kernels().qsgd_encode(
         _np(xc),
-        e,
+        _residual_np(residual, xc),
         residual is not None,
         _MODE[x.dtype],
         ct == torch.float64,
-        bits,
-        level_count,
+        a.bits,
+        _level_count(a.levels, ct),
         bucket_size,
-        checks.rng_key(seed, rng.STREAM_QSGD),
+        checks.rng_key(a.seed, rng.STREAM_QSGD),
         limit,
         _np(norms),
         _np(packed),
@@ -184,50 +193,31 @@ def qsgd_encode(
     return norms, packed
 
 
-def qsgd_decode(
-    norms: torch.Tensor,
-    packed: torch.Tensor,
-    bits: int,
-    levels: int,
-    bucket_size: int,
-    out: torch.Tensor,
-    accumulate: bool = True,
-) -> None:
+@implements(schema.QsgdDecode)
+def qsgd_decode(a: schema.QsgdDecode) -> None:
     """``out (+)= norm * ((field - s) / s)`` per element."""
-    bucket_size = checks.effective_block(out.numel(), bucket_size)
-    if out.numel() == 0:
-        return
-    work = _as_compute(out)
-    level_count = np.float64(levels) if work.dtype == torch.float64 else np.float32(levels)
-    _kernels().qsgd_decode(
-        _np(norms),
-        _np(packed),
-        bits,
-        level_count,
-        bucket_size,
-        _np(work),
-        bool(accumulate),
-        _MODE[out.dtype],
-    )
-    _finish_write(out, work)
+    level_count = _level_count(a.levels, accumulate_dtype(a.out.dtype))  # the working copy's
+    head = (_np(a.norms), _np(a.packed), a.bits, level_count)
+    _block_decode("qsgd_decode", a.out, a.bucket_size, a.accumulate, *head)
 
 
 # ----- top-k -------------------------------------------------------------------------------------
-def topk_select(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+@implements(schema.TopkSelect)
+def topk_select(a: schema.TopkSelect) -> tuple[torch.Tensor, torch.Tensor]:
     """``(indices, values)`` of the k largest ``|x|``, exact, ties to the lower index, ascending."""
-    xc = _as_compute(x)
-    idx = torch.empty(k, dtype=torch.int64)
-    if not _kernels().topk_select(_np(xc), k, _np(idx)):
+    x = a.x
+    idx = torch.empty(a.k, dtype=torch.int64)
+    if not _kernels().topk_select(_np(_as_compute(x)), a.k, _np(idx)):
         raise checks.non_finite("topk_select", False)
     return idx.to(index_dtype(x.numel())), x[idx]
 
 
-def sparse_scatter_add(
-    indices: Sequence[torch.Tensor], values: Sequence[torch.Tensor], out: torch.Tensor
-) -> None:
+@implements(schema.SparseScatterAdd)
+def sparse_scatter_add(a: schema.SparseScatterAdd) -> None:
     """``out[indices[p]] += values[p]`` payload by payload; every payload is checked first."""
+    out = a.out
     n = out.numel()
-    longs = [idx.long() for idx in indices]
+    longs = [idx.long() for idx in a.indices]
     for p, idx in enumerate(longs):
         j = int(_kernels().first_bad_index(_np(idx), n))
         if j >= 0:
@@ -235,24 +225,25 @@ def sparse_scatter_add(
             raise checks.bad_index(p, j, int(idx[j]), prev, n)
     work = _as_compute(out)
     mode = _MODE[out.dtype]
-    for idx, val in zip(longs, values):
+    for idx, val in zip(longs, a.values):
         _kernels().scatter_add(_np(idx), _np(_as_compute(val)), _np(work), mode)
     _finish_write(out, work)
 
 
 # ----- random-k ----------------------------------------------------------------------------------
-def randomk_gather(x: torch.Tensor, k: int, seed: int, scaled: bool) -> torch.Tensor:
+@implements(schema.RandomkGather)
+def randomk_gather(a: schema.RandomkGather) -> torch.Tensor:
     """The k values random-k sends (one per stratum, shared-seed positions)."""
-    n = x.numel()
+    x = a.x
     xc = _as_compute(x)
-    values = torch.empty(k, dtype=xc.dtype)
-    if n == 0:
+    values = torch.empty(a.k, dtype=xc.dtype)
+    if x.numel() == 0:
         return values.to(x.dtype)
     status = _kernels().randomk_gather(
         _np(xc),
-        k,
-        checks.rng_key(seed, rng.STREAM_RANDOMK),
-        bool(scaled),
+        a.k,
+        checks.rng_key(a.seed, rng.STREAM_RANDOMK),
+        bool(a.scaled),
         _MODE[x.dtype],
         xc.dtype == torch.float64,
         _np(values),
@@ -264,15 +255,19 @@ def randomk_gather(x: torch.Tensor, k: int, seed: int, scaled: bool) -> torch.Te
     return values if values.dtype == x.dtype else values.to(x.dtype)
 
 
-def randomk_scatter_add(values: torch.Tensor, seed: int, out: torch.Tensor) -> None:
+@implements(schema.RandomkScatterAdd)
+def randomk_scatter_add(a: schema.RandomkScatterAdd) -> None:
     """``out[idx] += values`` at the seed's random-k positions."""
-    if values.numel() == 0:
+    if a.values.numel() == 0:
         return
-    work = _as_compute(out)
+    work = _as_compute(a.out)
     _kernels().randomk_scatter_add(
-        _np(_as_compute(values)), checks.rng_key(seed, rng.STREAM_RANDOMK), _np(work), _MODE[out.dtype]
+        _np(_as_compute(a.values)),
+        checks.rng_key(a.seed, rng.STREAM_RANDOMK),
+        _np(work),
+        _MODE[a.out.dtype],
     )
-    _finish_write(out, work)
+    _finish_write(a.out, work)
 
 
 def warm_up() -> None:

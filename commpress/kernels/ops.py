@@ -29,7 +29,7 @@ import contextlib
 import functools
 import importlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from functools import lru_cache
 from typing import Any
 
@@ -39,7 +39,7 @@ from .. import rng
 from ..bitpack import pack_bits_reference, unpack_bits_reference
 from ..dtypes import index_dtype
 from ..errors import CodecError, KernelArgumentError, NonFiniteError
-from . import backends, checks
+from . import backends, checks, schema
 
 _OPS = backends.OP_NAMES
 
@@ -209,58 +209,54 @@ def _unsigned(seed: int) -> int:
     return seed & rng.SEED_MASK  # the schema's int64 bit pattern back to the uint64 seed
 
 
-def _reference(op: str, args: tuple[Any, ...]) -> Any:
-    """Run ``op`` on the pure-torch specification, ``args`` in the native schema's order."""
+def _reference(op: str, a: Any) -> Any:
+    """Run ``op`` on the pure-torch specification; ``a`` is the op's record (:mod:`.schema`)."""
     from ..codecs import qsgd, randomk, sign, topk
 
     if op == "pack_bits":
-        return pack_bits_reference(*args)
+        return pack_bits_reference(*a)
     if op == "unpack_bits":
-        return unpack_bits_reference(*args)
+        return unpack_bits_reference(*a)
     if op == "sign_encode":  # a block longer than x is one block (effective_block)
-        x, residual, block = args
-        return sign.encode_reference(x, checks.effective_block(x.numel(), block), residual)
+        block = checks.effective_block(a.x.numel(), a.block_size)
+        return sign.encode_reference(a.x, block, a.residual)
     if op == "sign_decode":
-        scales, bits, block, out, accumulate = args
-        block = checks.effective_block(out.numel(), block)
-        return sign.decode_reference(scales, bits, block, out, accumulate)
+        block = checks.effective_block(a.out.numel(), a.block_size)
+        return sign.decode_reference(a.scales, a.bits, block, a.out, a.accumulate)
     if op == "qsgd_encode":
-        x, residual, bits, levels, bucket, seed = args
-        bucket = checks.effective_block(x.numel(), bucket)
-        return qsgd.encode_reference(x, bits, levels, bucket, _unsigned(seed), residual)
+        bucket = checks.effective_block(a.x.numel(), a.bucket_size)
+        return qsgd.encode_reference(a.x, a.bits, a.levels, bucket, _unsigned(a.seed), a.residual)
     if op == "qsgd_decode":
-        norms, packed, bits, levels, bucket, out, accumulate = args
-        bucket = checks.effective_block(out.numel(), bucket)
-        return qsgd.decode_reference(norms, packed, bits, levels, bucket, out, accumulate)
+        bucket = checks.effective_block(a.out.numel(), a.bucket_size)
+        return qsgd.decode_reference(a.norms, a.packed, a.bits, a.levels, bucket, a.out, a.accumulate)
     if op == "topk_select":
-        return topk.select_reference(*args)
+        return topk.select_reference(*a)
     if op == "sparse_scatter_add":
-        return topk.scatter_add_reference(*args)
+        return topk.scatter_add_reference(*a)
     if op == "randomk_gather":
-        x, k, seed, scaled = args
-        return randomk.gather_reference(x, k, _unsigned(seed), scaled)
+        return randomk.gather_reference(a.x, a.k, _unsigned(a.seed), a.scaled)
     if op == "randomk_scatter_add":
-        values, seed, out = args
-        return randomk.scatter_add_reference(values, _unsigned(seed), out)
+        return randomk.scatter_add_reference(a.values, _unsigned(a.seed), a.out)
     raise CodecError(f"unknown kernel op {op!r}; expected one of {', '.join(_OPS)}")
 
 
 def call(op: str, *args: Any) -> Any:
     """Run kernel op ``op`` with the native schema's arguments: check them, then run the backend.
 
-    The one path every op takes (the typed wrappers below build ``args`` and call this):
-    :data:`commpress.kernels.checks.CHECKS` validates the arguments once, then the backend
-    :func:`backend_for` picks runs them.
+    The one path every op takes (the typed wrappers below build ``args`` and call this): the
+    arguments become the op's record (:mod:`.schema`), :data:`commpress.kernels.checks.CHECKS`
+    validates it once, then the backend :func:`backend_for` picks runs it.
     """
     if op not in checks.CHECKS:
         raise CodecError(f"unknown kernel op {op!r}; expected one of {', '.join(_OPS)}")
-    device_type = checks.CHECKS[op](*args)
+    a = schema.SIGNATURES[op](*args)
+    device_type = checks.CHECKS[op](a)
     backend = backend_for(op, device_type)
     if backend == "native":
-        return _native(op, args)
+        return _native(op, tuple(a))
     if backend == "reference":
-        return _reference(op, args)
-    return getattr(backends.module(backend), op)(*args)
+        return _reference(op, a)
+    return getattr(backends.module(backend), op)(*a)
 
 
 class _Checked:
@@ -313,15 +309,10 @@ def sign_encode(
     return scales, bits
 
 
-def sign_decode(
-    scales: torch.Tensor,
-    bits: torch.Tensor,
-    block_size: int,
-    out: torch.Tensor,
-    accumulate: bool = True,
-) -> None:
+@schema.implements(schema.SignDecode)
+def sign_decode(a: schema.SignDecode) -> None:
     """``out = decode(scales, bits)``, or ``+=`` with ``accumulate``, for sign (1-D contiguous ``out``)."""
-    call("sign_decode", scales, bits, block_size, out, accumulate)
+    call("sign_decode", *a)
 
 
 # ----- qsgd ---------------------------------------------------------------------------------------
@@ -341,31 +332,24 @@ def qsgd_encode(
     return norms, packed
 
 
-def qsgd_decode(
-    norms: torch.Tensor,
-    packed: torch.Tensor,
-    bits: int,
-    levels: int,
-    bucket_size: int,
-    out: torch.Tensor,
-    accumulate: bool = True,
-) -> None:
+@schema.implements(schema.QsgdDecode)
+def qsgd_decode(a: schema.QsgdDecode) -> None:
     """``out = decode(norms, packed)``, or ``+=`` with ``accumulate``, for QSGD (1-D contiguous ``out``)."""
-    call("qsgd_decode", norms, packed, bits, levels, bucket_size, out, accumulate)
+    call("qsgd_decode", *a)
 
 
 # ----- top-k --------------------------------------------------------------------------------------
-def topk_select(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+@schema.implements(schema.TopkSelect)
+def topk_select(a: schema.TopkSelect) -> tuple[torch.Tensor, torch.Tensor]:
     """``(indices, values)`` of the k largest ``|x|``, exact, indices ascending; see the reference."""
-    indices, values = call("topk_select", x, k)
+    indices, values = call("topk_select", *a)
     return indices, values
 
 
-def sparse_scatter_add(
-    indices: Sequence[torch.Tensor], values: Sequence[torch.Tensor], out: torch.Tensor
-) -> None:
+@schema.implements(schema.SparseScatterAdd)
+def sparse_scatter_add(a: schema.SparseScatterAdd) -> None:
     """``out[indices[p]] += values[p]`` for every payload p, in order (bounds/duplicate-checked)."""
-    call("sparse_scatter_add", list(indices), list(values), out)
+    call("sparse_scatter_add", list(a.indices), list(a.values), a.out)
 
 
 # ----- random-k -----------------------------------------------------------------------------------

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "../checks.h"
 #include "commpress/bitpack.h"
@@ -109,6 +110,17 @@ void unpack_cpu(const uint8_t* packed, int64_t n, uint8_t* fields) {
   }
 }
 
+// Calls f(std::integral_constant<int, Bits>{}) for bits in {1, 2, 4, 8} (check_bits ran first).
+template <class F>
+void dispatch_bits(int64_t bits, F&& f) {
+  switch (bits) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
+  }
+}
+
 at::Tensor pack_bits_cpu(const at::Tensor& fields, int64_t bits) {
   check_bits("pack_bits", bits);
   check_byte_vector("pack_bits", "fields", fields, c10::DeviceType::CPU);
@@ -116,12 +128,7 @@ at::Tensor pack_bits_cpu(const at::Tensor& fields, int64_t bits) {
   at::Tensor packed = at::empty({packed_nbytes(n, bits)}, fields.options());
   const uint8_t* in = fields.const_data_ptr<uint8_t>();
   uint8_t* out = packed.mutable_data_ptr<uint8_t>();
-  switch (bits) {
-    case 1: pack_cpu<1>(in, n, out); break;
-    case 2: pack_cpu<2>(in, n, out); break;
-    case 4: pack_cpu<4>(in, n, out); break;
-    default: pack_cpu<8>(in, n, out); break;
-  }
+  dispatch_bits(bits, [&](auto width) { pack_cpu<decltype(width)::value>(in, n, out); });
   return packed;
 }
 
@@ -135,12 +142,7 @@ at::Tensor unpack_bits_cpu(const at::Tensor& packed, int64_t bits, int64_t n) {
   at::Tensor fields = at::empty({n}, packed.options());
   const uint8_t* in = packed.const_data_ptr<uint8_t>();
   uint8_t* out = fields.mutable_data_ptr<uint8_t>();
-  switch (bits) {
-    case 1: unpack_cpu<1>(in, n, out); break;
-    case 2: unpack_cpu<2>(in, n, out); break;
-    case 4: unpack_cpu<4>(in, n, out); break;
-    default: unpack_cpu<8>(in, n, out); break;
-  }
+  dispatch_bits(bits, [&](auto width) { unpack_cpu<decltype(width)::value>(in, n, out); });
   return fields;
 }
 

@@ -143,6 +143,37 @@ cudaError_t launch_block_reduce(const T* x, const typename Elem<T>::compute* e,
   return err;
 }
 
+// The launch of a block codec's encode (sign, QSGD): clears the flag word, then for n > 0 runs
+// reduce(has_e, layout) -> cudaError_t (the per-block sums, into the launcher's scratch),
+// finalize(layout, grid) (one thread per block: its scale) and encode(has_e, layout, grid)
+// (whole warps per 32 elements: the fields), has_e a std::bool_constant of the residual's
+// presence. The CuPy backend's _BlockEncode follows the same steps.
+template <class Reduce, class Finalize, class Encode>
+cudaError_t launch_block_encode(int64_t n, int64_t block, bool has_e, int* flags,
+                                cudaStream_t stream, Reduce&& reduce, Finalize&& finalize,
+                                Encode&& encode) {
+  const Layout l = make_layout(n, block);
+  cudaError_t err = cudaMemsetAsync(flags, 0, sizeof(int), stream);
+  if (err != cudaSuccess || n == 0) {
+    return err;
+  }
+  err = has_e ? reduce(std::true_type{}, l) : reduce(std::false_type{}, l);
+  if (err != cudaSuccess) {
+    return err;
+  }
+  finalize(l, grid(grid_items(l.nblocks)));
+  if ((err = cudaGetLastError()) != cudaSuccess) {
+    return err;
+  }
+  const int g = grid(grid_words(n));
+  if (has_e) {
+    encode(std::true_type{}, l, g);
+  } else {
+    encode(std::false_type{}, l, g);
+  }
+  return cudaGetLastError();
+}
+
 // The launch of a block codec's decode (one thread per output, whole warps per 32 outputs):
 // checks n and block, then calls launch(T{}, layout, grid) with T the storage type of `dtype`.
 template <class F>

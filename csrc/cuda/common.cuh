@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "commpress/codec_cores.h"
 #include "commpress/hd.h"
 #include "commpress/tree.h"
 #include "launch_params.h"
@@ -139,6 +140,17 @@ __global__ void check_finite_kernel(const T* __restrict__ x, int64_t n, int* __r
   }
   if (__any_sync(kFullMask, bad) && lane_id() == 0) {
     atomicOr(flags, kFlagNonFinite);
+  }
+}
+
+// out[index(j)] += values[j] for every j < k (grid-stride). The callers' indices are distinct
+// (random-k: one per stratum; top-k: strictly increasing), so no two threads touch one element.
+template <class T, class Index>
+__device__ __forceinline__ void scatter_accumulate(const T* __restrict__ values, int64_t k,
+                                                   T* __restrict__ out, Index index) {
+  for (int64_t j = global_thread(); j < k; j += grid_stride()) {
+    const int64_t i = index(j);
+    out[i] = accumulate<T>(out[i], Elem<T>::load(values[j]));
   }
 }
 

@@ -137,33 +137,22 @@ cudaError_t qsgd_encode(const void* xv, void* ev, int64_t n, int levels, int64_t
   const T* x = static_cast<const T*>(xv);
   CT* e = static_cast<CT*>(ev);
   CT* norms = static_cast<CT*>(normsv);
-  const Layout l = make_layout(n, bucket);
-  cudaError_t err = cudaMemsetAsync(flags, 0, sizeof(int), stream);
-  if (err != cudaSuccess || n == 0) {
-    return err;
-  }
+  const uint64_t key = rng_key(seed, kStreamQSGD);
   const double* sums = nullptr;
   const double* amax = nullptr;
-  err = e != nullptr ? reduce_norms<T, true>(x, e, l, scratch, flags, stream, &sums, &amax)
-                     : reduce_norms<T, false>(x, e, l, scratch, flags, stream, &sums, &amax);
-  if (err != cudaSuccess) {
-    return err;
-  }
-  qsgd_finalize_kernel<T><<<grid(grid_items(l.nblocks)), kThreads, 0, stream>>>(
-      sums, amax, l, limit, norms, flags);
-  if ((err = cudaGetLastError()) != cudaSuccess) {
-    return err;
-  }
-  const uint64_t key = rng_key(seed, kStreamQSGD);
-  const int g = grid(grid_words(n));
-  if (e != nullptr) {
-    qsgd_encode_kernel<T, true, Bits><<<g, kThreads, 0, stream>>>(x, e, norms, l, levels, key,
-                                                                  packed, flags);
-  } else {
-    qsgd_encode_kernel<T, false, Bits><<<g, kThreads, 0, stream>>>(x, e, norms, l, levels, key,
-                                                                   packed, flags);
-  }
-  return cudaGetLastError();
+  return launch_block_encode(
+      n, bucket, e != nullptr, flags, stream,
+      [&](auto has_e, const Layout& l) {
+        return reduce_norms<T, decltype(has_e)::value>(x, e, l, scratch, flags, stream, &sums,
+                                                       &amax);
+      },
+      [&](const Layout& l, int g) {
+        qsgd_finalize_kernel<T><<<g, kThreads, 0, stream>>>(sums, amax, l, limit, norms, flags);
+      },
+      [&](auto has_e, const Layout& l, int g) {
+        qsgd_encode_kernel<T, decltype(has_e)::value, Bits>
+            <<<g, kThreads, 0, stream>>>(x, e, norms, l, levels, key, packed, flags);
+      });
 }
 #endif  // __CUDACC_RTC__
 

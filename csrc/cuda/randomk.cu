@@ -51,11 +51,10 @@ __global__ void gather_kernel(const T* __restrict__ x, int64_t n, int64_t k, uin
 template <class T>
 __global__ void scatter_kernel(const T* __restrict__ values, int64_t k, int64_t n, uint64_t key,
                                T* __restrict__ out) {
-  for (int64_t j = global_thread(); j < k; j += grid_stride()) {
+  scatter_accumulate(values, k, out, [&](int64_t j) {
     int64_t length;
-    const int64_t i = stratum_index(key, j, n, k, &length);
-    out[i] = accumulate<T>(out[i], Elem<T>::load(values[j]));
-  }
+    return stratum_index(key, j, n, k, &length);
+  });
 }
 
 }  // namespace

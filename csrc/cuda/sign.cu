@@ -88,30 +88,21 @@ cudaError_t sign_encode(const void* xv, void* ev, int64_t n, int64_t block, void
   using CT = typename Elem<T>::compute;
   const T* x = static_cast<const T*>(xv);
   CT* e = static_cast<CT*>(ev);
-  const Layout l = make_layout(n, block);
-  cudaError_t err = cudaMemsetAsync(flags, 0, sizeof(int), stream);
-  if (err != cudaSuccess || n == 0) {
-    return err;
-  }
-  const double* sums = nullptr;
-  err = e != nullptr
-            ? launch_block_reduce<kSumAbs, T, true>(x, e, nullptr, l, scratch, flags, stream, &sums)
-            : launch_block_reduce<kSumAbs, T, false>(x, e, nullptr, l, scratch, flags, stream, &sums);
-  if (err != cudaSuccess) {
-    return err;
-  }
   CT* s = static_cast<CT*>(scales);
-  sign_finalize_kernel<T><<<grid(grid_items(l.nblocks)), kThreads, 0, stream>>>(sums, l, s, flags);
-  if ((err = cudaGetLastError()) != cudaSuccess) {
-    return err;
-  }
-  const int g = grid(grid_words(n));
-  if (e != nullptr) {
-    sign_encode_kernel<T, true><<<g, kThreads, 0, stream>>>(x, e, s, l, bits, flags);
-  } else {
-    sign_encode_kernel<T, false><<<g, kThreads, 0, stream>>>(x, e, s, l, bits, flags);
-  }
-  return cudaGetLastError();
+  const double* sums = nullptr;
+  return launch_block_encode(
+      n, block, e != nullptr, flags, stream,
+      [&](auto has_e, const Layout& l) {
+        return launch_block_reduce<kSumAbs, T, decltype(has_e)::value>(x, e, nullptr, l, scratch,
+                                                                       flags, stream, &sums);
+      },
+      [&](const Layout& l, int g) {
+        sign_finalize_kernel<T><<<g, kThreads, 0, stream>>>(sums, l, s, flags);
+      },
+      [&](auto has_e, const Layout& l, int g) {
+        sign_encode_kernel<T, decltype(has_e)::value>
+            <<<g, kThreads, 0, stream>>>(x, e, s, l, bits, flags);
+      });
 }
 #endif  // __CUDACC_RTC__
 

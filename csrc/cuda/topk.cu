@@ -282,10 +282,7 @@ __global__ void scatter_add_kernel(const I* __restrict__ idx, const T* __restric
     return;  // some payload is invalid: write nothing
   }
   // indices of one payload are strictly increasing, so no two threads touch one element
-  for (int64_t j = global_thread(); j < k; j += grid_stride()) {
-    const auto i = static_cast<int64_t>(idx[j]);
-    out[i] = accumulate<T>(out[i], Elem<T>::load(values[j]));
-  }
+  scatter_accumulate(values, k, out, [&](int64_t j) { return static_cast<int64_t>(idx[j]); });
 }
 
 }  // namespace

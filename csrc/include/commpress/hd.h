@@ -144,22 +144,26 @@ COMMPRESS_HD uint16_t float_to_bf16(float f) {
 template <class T>
 struct Elem;
 
+// A storage type that is its own compute type (float32, float64): load and store copy.
+template <class T>
+struct SameElem {
+  using compute = T;
+  static COMMPRESS_HD T load(T v) { return v; }
+  static COMMPRESS_HD T store(T v) { return v; }
+};
+
 template <>
-struct Elem<float> {
-  using compute = float;
-  static COMMPRESS_HD float load(float v) { return v; }
-  static COMMPRESS_HD float store(float v) { return v; }
+struct Elem<float> : SameElem<float> {
   static constexpr float kMax = 3.4028234663852886e38f;
 };
 
 template <>
-struct Elem<double> {
-  using compute = double;
-  static COMMPRESS_HD double load(double v) { return v; }
-  static COMMPRESS_HD double store(double v) { return v; }
+struct Elem<double> : SameElem<double> {
   static constexpr double kMax = 1.7976931348623157e308;
 };
 
+// The 16-bit formats stay spelled out: a template over their conversion functions (called
+// through constant function pointers) changed GCC's code for the CPU kernels.
 template <>
 struct Elem<Half> {
   using compute = float;
