@@ -151,22 +151,23 @@ class FrozenVarianceAdam:
     and writes ``m`` into ``exp_avg`` so the optimizer's state_dict holds what was applied. It then hides those gradients from the
     optimizer's own step (restored right after), so the optimizer updates only the dense ones.
 
-    ``bound_updates=False`` drops that bound, for top-k: a value it sends is the momentum of
-    every step since the element was last sent, so one step's bound cut most of it (and error
-    feedback cannot return what the bound cut). Measured with AdamW, 2 ranks: byte LM (200 steps)
-    top-k 1% +2.01% of dense's loss with the bound, +1.25% without; digits MLP 95.2% -> 95.0%
-    (dense 96.0%). Random-k keeps it: its sends are blind bursts of ~1/ratio steps, and without
-    the bound it diverged on digits (95.7% -> 8.3%).
+    ``windows`` widens that bound per parameter (``id(param) -> steps``), for top-k: a value it
+    sends is the momentum of every step since the element was last sent (about ``1/ratio``
+    steps), so one step's bound cut most of it, and error feedback cannot return what the bound
+    cut. The bound stays (times the window) because an element whose ``v`` froze near zero
+    (a byte never seen in warm-up, or zeroed by a quantized warm-up) would otherwise move by
+    ``m/eps``. Random-k keeps one step's bound: its sends are blind bursts of ~1/ratio steps,
+    and with a wider bound it diverged on digits (95.7% -> 8.3%).
     """
 
     def __init__(
         self, optimizer: torch.optim.Optimizer, compressed: Mapping[int, str], freeze_step: int,
-        bound_updates: bool = True,
+        windows: Mapping[int, float] | None = None,
     ) -> None:
         self.optimizer = optimizer
         self.compressed = dict(compressed)  # id(param) -> name
         self.freeze_step = freeze_step
-        self.bound_updates = bound_updates
+        self.windows = dict(windows or {})
         self.active = False
         self._hidden: dict[torch.Tensor, torch.Tensor] = {}
         self._scratch: dict[torch.Tensor, torch.Tensor] = {}
@@ -220,9 +221,8 @@ class FrozenVarianceAdam:
                     update.div_(1.0 - b1**step)
                     # Adam's own update never exceeds (1-b1)/sqrt(1-b2) per coordinate; a compressed
                     # momentum can (sign gives +-scale where v froze near 0): hold it to Adam's bound
-                    if self.bound_updates:
-                        bound = (1.0 - b1) / math.sqrt(1.0 - b2)
-                        update.clamp_(-bound, bound)
+                    bound = self.windows.get(id(p), 1.0) * (1.0 - b1) / math.sqrt(1.0 - b2)
+                    update.clamp_(-bound, bound)
                     if wd:
                         p.mul_(1.0 - lr * wd)
                     p.add_(update, alpha=-lr)

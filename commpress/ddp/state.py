@@ -340,10 +340,13 @@ class CompressionState:
             self.warmup_steps = ADAM_WARMUP_STEPS
             logger.info("commpress: %d dense warm-up steps before Adam's variance freezes", ADAM_WARMUP_STEPS)
         compressed = {id(p): n for n, p in module.named_parameters() if n in self.plans and self.plans[n].compressed}
-        # top-k sends an element's momentum of every step since it was last sent: no per-step bound;
-        # random-k's blind bursts (~1/ratio steps) need it (digits AdamW: 95.7% with it, 8.3% without)
-        bound = not self.codec.sparse or self.codec.value_blind
-        self.adam = FrozenVarianceAdam(optimizer, compressed, self.warmup_steps, bound_updates=bound)
+        windows = {}  # top-k's sends hold ~1/ratio steps of momentum: widen Adam's bound as much
+        if self.codec.sparse and not self.codec.value_blind:
+            for n, p in module.named_parameters():
+                delta = self.codec.delta(p.numel()) if id(p) in compressed else None
+                if delta:
+                    windows[id(p)] = 1.0 / delta
+        self.adam = FrozenVarianceAdam(optimizer, compressed, self.warmup_steps, windows)
         if masking is None and self.codec.sparse:
             # measured on the 10.8M-parameter byte LM (AdamW, 2 ranks, 200 steps): top-k 1%
             # held-out loss 2.5615 -> 2.5355 (dense 2.4855); on SGD digits it cost top-k 0.8 points
