@@ -7,9 +7,7 @@ result...) and a ``make_corpus(directory)`` writing its seed inputs; :func:`main
 * options: ``--runs`` / ``--seconds`` (budget), ``--rss-mb`` (libFuzzer's RSS limit, default
   1024), ``--timeout`` (seconds one input may take), ``--max-len``, ``--keep`` (grow the kept
   corpus ``tests/fuzz_corpus/<name>``, else new inputs go to a temporary directory),
-  ``--artifacts``, ``--make-corpus`` (rewrite the seed corpus), ``--merge DIR`` (add the inputs
-  of DIR, e.g. a long run's temporary corpus, that reach new coverage), ``--slow-ms`` and
-  ``--replay``;
+  ``--artifacts``, ``--make-corpus`` (rewrite the seed corpus), ``--slow-ms`` and ``--replay``;
 * instrumentation of ``commpress`` (the modules the target imports, not numba-compiled ones);
 * a warm-up over the seed corpus before anything is measured (first calls compile kernels);
 * timing of every input: a ``#fuzz_<name> slowest input so far`` line whenever one is the
@@ -127,7 +125,6 @@ def main(
     p.add_argument("--artifacts", default=None, help="where crashing and slow inputs go (default: a temp dir)")
     p.add_argument("--slow-ms", type=float, default=100.0, help="keep inputs slower than this (ms)")
     p.add_argument("--make-corpus", action="store_true", help="rewrite the seed corpus and exit")
-    p.add_argument("--merge", metavar="DIR", help=f"add DIR's inputs that reach new coverage to {corpus} and exit")
     p.add_argument("--replay", nargs="+", metavar="FILE", help="time these saved inputs instead of fuzzing")
     p.add_argument("--repeat", type=int, default=5, help="runs of each --replay input")
     p.add_argument("libfuzzer", nargs="*", help="extra libFuzzer flags (after --)")
@@ -151,11 +148,8 @@ def main(
     if args.replay:
         replay(timed, args.replay, args.repeat)
         return 0
-    dirs = [corpus] if args.keep or args.merge else [os.path.join(work, "corpus"), corpus]
+    dirs = [corpus] if args.keep else [os.path.join(work, "corpus"), corpus]
     os.makedirs(dirs[0], exist_ok=True)
-    if args.merge:  # libFuzzer's merge: the first directory gets what the others add
-        dirs.append(args.merge)
-        args.libfuzzer.append("-merge=1")
     flags = [f"-rss_limit_mb={args.rss_mb}", f"-timeout={args.timeout}", f"-max_len={args.max_len}",
              f"-artifact_prefix={artifacts}/", "-print_final_stats=1"]
     if args.runs:
