@@ -62,7 +62,10 @@ def check_state_header(state: Any, *, required: set[str], fmt: int, codec: Codec
         raise ValueError(f"{what} is missing {sorted(missing)}")
     if state["format"] != fmt:
         raise ValueError(f"state format {state['format']!r} is not supported (expected {fmt})")
-    saved = from_config(check_codec_config(state["codec"]))
+    try:
+        saved = from_config(check_codec_config(state["codec"]))
+    except (TypeError, OverflowError, AttributeError) as exc:  # a name or parameter of the wrong type
+        raise CodecError(f"{what}: malformed codec config {state['codec']!r:.80} ({exc})") from None
     if saved != codec:
         raise CodecError(f"codec mismatch: checkpoint has {saved!r}, this state uses {codec!r}")
 
@@ -271,6 +274,14 @@ class ErrorFeedback:
                     raise ValueError(
                         f"residual {key!r} has shape {tuple(value.shape)}, declared {tuple(self.shapes[key])}"
                     )
+        steps, counts = state["nonfinite_steps"], state["nonfinite_counts"]
+        if not isinstance(counts, Mapping) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 62 for v in (steps, *counts.values())
+        ) or not all(isinstance(k, str) for k in counts):
+            raise ValueError(
+                f"nonfinite_steps must be an int in [0, 2**62) and nonfinite_counts a str -> such int mapping, "
+                f"got {steps!r:.40} / {counts!r:.80}"
+            )
         self._residuals = {k: v.detach().clone() for k, v in residuals.items()}
-        self.nonfinite_steps = int(state["nonfinite_steps"])
-        self.nonfinite_counts = {str(k): int(v) for k, v in dict(state["nonfinite_counts"]).items()}
+        self.nonfinite_steps = steps
+        self.nonfinite_counts = dict(counts)

@@ -7,32 +7,28 @@ by its codec and must be finite in its dtype. The only exception allowed is ``Wi
 other exception, a non-finite decode, an RSS above ``--rss-mb`` or an input slower than
 ``--timeout`` seconds is a finding (libFuzzer writes the input under ``--artifacts``).
 
-    # CI budget (tests/test_hostile.py runs this for ~10 s)
+    # CI budget (tests/test_fuzz.py runs this for ~10 s)
     python scripts/fuzz_wire.py --seconds 10
     # the long run of issue #12 (1,000,000 inputs), growing the kept corpus
     python scripts/fuzz_wire.py --runs 1000000 --keep
     # rewrite the seed corpus (one valid packet per codec x dtype x size)
     python scripts/fuzz_wire.py --make-corpus
 
-Needs ``atheris`` (requirements/dev.txt). Without ``--keep`` new inputs go to a temporary
-directory and ``tests/fuzz_corpus/wire`` is only read. libFuzzer's status lines and final
-stats give the inputs run, inputs/s (``exec/s``), coverage (``cov``: instrumented edges of
-commpress reached; ``ft``: features) and peak RSS; the script adds a line whenever an input is
-the slowest so far (after a warm-up over the seed corpus).
+Needs ``atheris`` (requirements/dev.txt). The options, corpus handling (``--keep`` grows
+``tests/fuzz_corpus/wire``, else it is only read), timing and reports are the shared harness's
+(``scripts/fuzz_common.py``): libFuzzer's status lines and final stats give the inputs run,
+inputs/s (``exec/s``), coverage (``cov``: instrumented edges of commpress reached; ``ft``:
+features) and peak RSS; the harness adds the slowest input and keeps inputs over ``--slow-ms``.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import shutil
 import struct
 import sys
-import tempfile
-import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CORPUS = os.path.join(ROOT, "tests", "fuzz_corpus", "wire")
+import fuzz_common
+
 #: decoded size bound while fuzzing (with max(.., 8 per byte) and 4 KiB inputs: <= 64k elements)
 FUZZ_MAX_NUMEL = 1 << 16
 SPECS = ["none", "fp16", "bf16", "topk:ratio=0.25", "randomk:ratio=0.25", "randomk:k=3,scaled=false",
@@ -73,7 +69,7 @@ def make_corpus(directory: str) -> int:
 
 
 class Target:
-    """The fuzz target: ``from_bytes`` then decode; tracks the slowest input."""
+    """The fuzz target: ``from_bytes`` then decode; counts the packets that pass validation."""
 
     def __init__(self) -> None:
         import torch
@@ -83,8 +79,6 @@ class Target:
 
         self.torch, self.codecs, self.wire = torch, codecs, wire
         self.WireError, self.CodecError = WireError, CodecError
-        self.slowest = 0.0
-        self.inputs = 0
         self.accepted = 0
 
     def codec_for(self, packet):  # noqa: ANN001, ANN201 - the decoder of a validated packet
@@ -130,69 +124,22 @@ class Target:
 
     def __call__(self, data: bytes) -> None:
         """Parse ``data`` (raw mode: first byte even) or a patched real packet (odd); check the decode."""
-        t0 = time.perf_counter()
-        self.inputs += 1
         if not data:
             return
         buf = data[1:] if data[0] % 2 == 0 else self.packet_from(data[1:])
         try:
             packet = self.wire.from_bytes(buf, max_numel=FUZZ_MAX_NUMEL)
         except self.WireError:
-            packet = None
-        if packet is not None:
-            self.accepted += 1
-            out = self.codec_for(packet).decode(packet)
-            if out.numel() != packet.numel or not bool(self.torch.isfinite(out).all()):
-                raise AssertionError(f"validated {packet.codec} {packet.dtype} packet decodes to non-finite values")
-        dt = time.perf_counter() - t0
-        if dt > self.slowest:
-            self.slowest = dt
-            if self.inputs > 100:  # after the warm-up (first calls of each kernel)
-                print(f"#fuzz_wire slowest input so far: {dt * 1e3:.1f} ms ({len(data)} bytes)", file=sys.stderr, flush=True)
+            return
+        self.accepted += 1
+        out = self.codec_for(packet).decode(packet)
+        if out.numel() != packet.numel or not bool(self.torch.isfinite(out).all()):
+            raise AssertionError(f"validated {packet.codec} {packet.dtype} packet decodes to non-finite values")
 
 
 def main() -> int:
-    """Parse options, set up the corpus and run libFuzzer through atheris."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--runs", type=int, default=0, help="number of inputs (0: no limit)")
-    p.add_argument("--seconds", type=int, default=0, help="time budget in seconds (0: no limit)")
-    p.add_argument("--rss-mb", type=int, default=1024, help="RSS limit (libFuzzer -rss_limit_mb)")
-    p.add_argument("--timeout", type=int, default=1, help="seconds one input may take (libFuzzer -timeout)")
-    p.add_argument("--max-len", type=int, default=4096, help="largest input in bytes")
-    p.add_argument("--keep", action="store_true", help=f"add new interesting inputs to {CORPUS}")
-    p.add_argument("--artifacts", default=None, help="where crashing inputs go (default: a temp dir)")
-    p.add_argument("--make-corpus", action="store_true", help="rewrite the seed corpus and exit")
-    p.add_argument("libfuzzer", nargs="*", help="extra libFuzzer flags (after --)")
-    args = p.parse_args()
-    sys.path.insert(0, ROOT)
-    if args.make_corpus:
-        shutil.rmtree(CORPUS, ignore_errors=True)
-        print(f"wrote {make_corpus(CORPUS)} seed packets to {CORPUS}")
-        return 0
-    import atheris
-
-    # numba compiles varlen's loops from their bytecode: instrumented bytecode would not compile
-    with atheris.instrument_imports(include=["commpress"], exclude=["commpress.varlen"]):
-        target = Target()
-    # warm-up outside the measured inputs: numba compiles the gamma coder on first use
-    for name in sorted(os.listdir(CORPUS)):
-        with open(os.path.join(CORPUS, name), "rb") as f:
-            target(f.read())
-    target.slowest, target.inputs, target.accepted = 0.0, 0, 0
-
-    work = tempfile.mkdtemp(prefix="fuzz_wire.")
-    artifacts = args.artifacts or work
-    dirs = [CORPUS] if args.keep else [os.path.join(work, "corpus"), CORPUS]
-    os.makedirs(dirs[0], exist_ok=True)
-    flags = [f"-rss_limit_mb={args.rss_mb}", f"-timeout={args.timeout}", f"-max_len={args.max_len}",
-             f"-artifact_prefix={artifacts.rstrip('/')}/", "-print_final_stats=1"]
-    if args.runs:
-        flags.append(f"-runs={args.runs}")
-    if args.seconds:
-        flags.append(f"-max_total_time={args.seconds}")
-    atheris.Setup([sys.argv[0], *flags, *args.libfuzzer, *dirs], target)
-    atheris.Fuzz()
-    return 0
+    """Fuzz ``from_bytes`` + decode with the shared harness (:mod:`fuzz_common`)."""
+    return fuzz_common.main("wire", __doc__ or "", Target, make_corpus, max_len=4096)
 
 
 if __name__ == "__main__":

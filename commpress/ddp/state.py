@@ -570,8 +570,15 @@ class CompressionState:
         """Restore :meth:`state_dict` output after validating all of it (all or nothing).
 
         Raises ValueError (:class:`CodecError` for a codec mismatch) when the checkpoint was
-        written with another codec, algorithm, world size or rank, or for other shapes.
+        written with another codec, algorithm, world size or rank, or for other shapes, and for
+        entries of the wrong type (a malformed or hostile checkpoint).
         """
+        try:
+            self._load_state_dict(state)
+        except (TypeError, OverflowError, KeyError, IndexError, AttributeError) as exc:
+            raise ValueError(f"commpress DDP state: malformed entry ({type(exc).__name__}: {str(exc)[:200]})") from None
+
+    def _load_state_dict(self, state: Mapping[str, Any]) -> None:
         required = {
             "algorithm", "error_feedback", "world_size", "rank", "seed", "step",
             "shapes", "feedback", "server_feedback", "momentum", "velocity",

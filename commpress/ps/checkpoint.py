@@ -24,9 +24,10 @@ rank and step, and every value in it is plausible: tensors finite with magnitude
 ``max_abs`` (:data:`MAX_ABS` = 1e15 by default: parameters, residuals and optimizer moments of a
 healthy run are many orders of magnitude below it, while a flipped exponent bit gives values
 like 3.5e37), integers within 64 bits, and with ``like`` (the caller's own ``state_dict()``) every
-tensor there present with the same shape and dtype. The digest guards against accidents (disk,
-truncation, a bad copy), not against someone who can write the directory: such a person can
-recompute it, which is what the plausibility checks bound.
+tensor there present with the same shape and dtype and every other entry with the same type
+and length. The digest guards against accidents (disk, truncation, a bad copy), not against
+someone who can write the directory: such a person can recompute it, which is what the
+plausibility checks bound.
 
 Writes are atomic and private: each file is written to a fresh ``tempfile.mkstemp`` name in
 the target directory (unpredictable, created exclusively with mode 0600, so a planted symlink
@@ -181,8 +182,9 @@ def validate(state: Mapping[str, Any], *, like: Mapping[str, Any] | None = None,
     """Raise :class:`ConfigError` naming the entry unless every value of ``state`` is plausible.
 
     Floating tensors and floats: finite, magnitude at most ``max_abs``; integers within 64 bits;
-    with ``like``: every tensor in ``like`` present in ``state`` at the same path with the same
-    shape and dtype. Reads only; nothing is changed.
+    with ``like``: ``state`` has ``like``'s structure (every key of its mappings, lists of the
+    same length, tensors of the same shape and dtype, other values of the same type: a loader
+    can then convert them without TypeError). Reads only; nothing is changed.
     """
     for where, v in _walk(state, ""):
         if isinstance(v, torch.Tensor):
@@ -206,17 +208,37 @@ def validate(state: Mapping[str, Any], *, like: Mapping[str, Any] | None = None,
             if not math.isfinite(v) or abs(v) > max_abs:
                 raise ConfigError(f"{what}: {where} = {v} is not finite or beyond {max_abs:g}")
     if like is not None:
-        mine = dict(_walk(state, ""))
-        for where, want in _walk(like, ""):
-            if not isinstance(want, torch.Tensor):
-                continue
-            got = mine.get(where)
-            if not isinstance(got, torch.Tensor):
-                raise ConfigError(f"{what}: {where} is missing (expected a {want.dtype} tensor of shape {tuple(want.shape)})")
-            if got.shape != want.shape or got.dtype != want.dtype:
-                raise ConfigError(
-                    f"{what}: {where} is {got.dtype} {tuple(got.shape)}, expected {want.dtype} {tuple(want.shape)}"
-                )
+        _check_like(state, like, "", what)
+
+
+def _check_like(got: Any, want: Any, where: str, what: str) -> None:
+    """Raise :class:`ConfigError` unless ``got`` has the structure of ``want``.
+
+    Mappings holding its keys, lists of its length, tensors of its shape and dtype, other values
+    of its type.
+    """
+    if isinstance(want, torch.Tensor):
+        if not isinstance(got, torch.Tensor):
+            raise ConfigError(f"{what}: {where} is missing (expected a {want.dtype} tensor of shape {tuple(want.shape)})")
+        if got.shape != want.shape or got.dtype != want.dtype:
+            raise ConfigError(f"{what}: {where} is {got.dtype} {tuple(got.shape)}, expected {want.dtype} {tuple(want.shape)}")
+    elif isinstance(want, Mapping):
+        if not isinstance(got, Mapping):
+            raise ConfigError(f"{what}: {where or 'the state'} is a {type(got).__name__}, expected a mapping")
+        for k, v in want.items():
+            path = f"{where}.{k}" if where else str(k)
+            if k not in got:
+                if isinstance(v, torch.Tensor):
+                    _check_like(None, v, path, what)
+                raise ConfigError(f"{what}: {path} is missing")
+            _check_like(got[k], v, path, what)
+    elif isinstance(want, (list, tuple)):
+        if not isinstance(got, (list, tuple)) or len(got) != len(want):
+            raise ConfigError(f"{what}: {where} is {type(got).__name__} {got!r:.60}, expected a list of {len(want)}")
+        for i, (g, w) in enumerate(zip(got, want)):
+            _check_like(g, w, f"{where}[{i}]", what)
+    elif type(got) is not type(want):
+        raise ConfigError(f"{what}: {where} is a {type(got).__name__}, expected a {type(want).__name__}")
 
 
 def load(
