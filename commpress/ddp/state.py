@@ -15,6 +15,7 @@ from ..codecs import Bf16Codec, Codec, Fp16Codec, NoneCodec
 from ..codecs.base import all_finite
 from ..comm import CommStats, check_algorithm
 from ..comm.agreement import check_same_config
+from ..comm.driver import FaultChannel
 from ..errors import CodecError
 from ..feedback import MAX_PLAUSIBLE_ABS, ErrorFeedback, check_state_header, residual_dtype
 from ..rng import derive_seed
@@ -121,6 +122,7 @@ class CompressionState:
         "warmup_steps", "warmup_codec", "seed", "step", "plans", "plans_by_id", "feedback", "server_feedback",
         "momentum", "momentum_masking", "velocity", "_bucket_plans", "_stats", "momentum_rules",
         "optimizer", "guard", "adam", "_verify_pending", "_stats_from_step", "auto",
+        "faults",
     )
 
     def __init__(
@@ -188,6 +190,9 @@ class CompressionState:
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
+        # a failure on one rank becomes every rank's error (see FaultChannel): a watcher thread
+        # blocked on the store, nothing per step
+        self.faults = FaultChannel.of(process_group)
         self.algorithm = check_algorithm(algorithm, self.codec, self.world_size)
         self.error_feedback = error_feedback
         self.warmup_steps = warmup_steps
