@@ -240,7 +240,10 @@ class FaultChannel:
        over its own connection (``TCPStore.clone()``, so no other store call queues behind it).
        A blocked wait costs nothing while healthy: no store read per step (a read is a ~60 us
        round trip on loopback, measured), no extra collective, no polling. When the key appears,
-       the thread records the fault and fails every pending future commpress handed out
+       the thread acknowledges it and waits (at most :attr:`ACK_TIMEOUT_S`) until every rank
+       has, so that no rank raises, and perhaps exits, before all have read it (a peer whose
+       collective breaks meanwhile waits for it, :meth:`_await_fault`); then it records the
+       fault and fails every pending future commpress handed out
        (:meth:`then`); a synchronous wait (:meth:`wait`) notices within :data:`WAIT_SLICE_S`
        (CPU; on CUDA, NCCL's own watchdog bounds the wait: not measured here);
     3. **stay failed**: every later step raises at once (:meth:`check`), on the failing rank too,
@@ -267,7 +270,9 @@ class FaultChannel:
         self.world = dist.get_world_size(group)
         self._prefix = f"commpress/fault/{_group_name(group)}/"
         self._lock = threading.Lock()
-        self._fault: tuple[int, str, str] | None = None
+        self._fault: tuple[int, str, str] | None = None  # known to every rank (or the acks timed out)
+        self._claim: tuple[int, str, str] | None = None  # this rank's own failure, being posted
+        self._known = threading.Event()  # set with _fault
         self._pending: dict[int, torch.futures.Future[Any]] = {}
         self._client: Any = None  # posts and acks (clients only: they never keep the store's server up)
         self._thread: threading.Thread | None = None
@@ -332,17 +337,35 @@ class FaultChannel:
         """
         if isinstance(exc, (RankFailedError, ConfigurationError)):
             return exc
-        if getattr(exc, "_commpress_collective", False):
-            return exc if self._fault is None else self._error()
+        if getattr(exc, "_commpress_collective", False) or not isinstance(exc, ValueError):
+            # a collective broke, or torch raised: maybe because another rank failed and exited
+            if self._await_fault():
+                return self._error()
+            if getattr(exc, "_commpress_collective", False):
+                return exc
         with self._lock:
-            first = self._fault is None
+            first = self._fault is None and self._claim is None
             if first:
-                self._fault = (self.rank, where, f"{type(exc).__name__}: {exc}")
+                self._claim = (self.rank, where, f"{type(exc).__name__}: {exc}")
         if first:
-            logger.error("%s", self._error())
-            self._post()
-            self._release()
-        return self._error()
+            assert self._claim is not None
+            logger.error("%s", RankFailedError(*self._claim))
+            self._post(self._claim)
+            self._record(self._claim)
+        else:
+            self._known.wait(2 * self.ACK_TIMEOUT_S)
+        return self._error() if self._fault is not None else RankFailedError(*(self._claim or (self.rank, where, str(exc))))
+
+    def _await_fault(self) -> bool:
+        """After a collective broke: wait (at most :attr:`ACK_TIMEOUT_S`) for a failure in flight.
+
+        A rank learns of a failure only once every rank's watcher has read it (see
+        :meth:`_watch`), so a peer that raises and exits cannot take the message with it; this
+        covers the moments between. A failure path only: a healthy step never gets here.
+        """
+        if self._fault is None and self._thread is not None and self._thread.is_alive():
+            self._known.wait(self.ACK_TIMEOUT_S)
+        return self._fault is not None
 
     def then(self, fut: torch.futures.Future[Any], fn: Callable[[torch.futures.Future[Any]], Any]) -> torch.futures.Future[Any]:
         """``fut.then(fn)`` for CPU tensors, except that the result also fails as soon as any rank failed.
@@ -367,7 +390,7 @@ class FaultChannel:
             try:
                 value = fn(f)
             except Exception as exc:  # noqa: BLE001 - handed on through the future
-                trigger.set_exception(self._error() if self._fault is not None else exc)
+                trigger.set_exception(self._error() if self._await_fault() else exc)
                 return
             trigger.set_result(value)
 
@@ -394,22 +417,32 @@ class FaultChannel:
         try:
             _wait_collective(work)
         except RuntimeError as exc:
-            if self._fault is not None:
+            if self._await_fault():
                 raise self._error() from exc
             raise
         self.check()
 
     # ----- the failing rank, and the watcher ----------------------------------------------------
-    def _post(self) -> None:
+    def _post(self, fault: tuple[int, str, str]) -> None:
         if self._client is None:
             return
-        message = json.dumps(dict(zip(("rank", "where", "reason"), self._fault or ())))
+        message = json.dumps(dict(zip(("rank", "where", "reason"), fault)))
         try:
             self._client.multi_set([self._key("wake", r) for r in range(self.world)], [message] * self.world)
             others = [self._key("ack", r) for r in range(self.world) if r != self.rank]
             self._client.wait(others, datetime.timedelta(seconds=self.ACK_TIMEOUT_S))
-        except RuntimeError as exc:  # a rank that is gone, or slow: it learns what it can
+        except Exception as exc:  # noqa: BLE001 - a rank that is gone, or slow: it learns what it can
             logger.warning("commpress: not every rank acknowledged the failure (%s)", exc)
+
+    def _record(self, fault: tuple[int, str, str]) -> None:
+        """Make ``fault`` this rank's error: every later check raises it, pending futures fail."""
+        with self._lock:
+            first = self._fault is None
+            if first:
+                self._fault = fault
+        self._known.set()
+        if first:
+            self._release()
 
     def _release(self) -> None:
         """Fail every pending future (the fault is set)."""
@@ -426,11 +459,9 @@ class FaultChannel:
                 watcher.wait([key], datetime.timedelta(days=1))
                 value = watcher.get(key).decode()
                 break
-            except dist.DistStoreError:  # the day-long wait timed out: wait again (anything quicker: give up)
+            except Exception:  # noqa: BLE001 - the day-long wait timed out: wait again; else the store went away
                 if time.monotonic() - start < 3600:
                     return
-            except Exception:  # noqa: BLE001 - the store went away: the job is ending
-                return
         if value == _EXIT:
             return
         try:
@@ -439,15 +470,14 @@ class FaultChannel:
         except (ValueError, KeyError, TypeError):
             logger.warning("commpress: unreadable failure message %r", value[:200])
             return
+        # raise nowhere until every rank has read it: rank 0 hosts the store, and a rank that
+        # raises may exit (a peer whose collective then breaks finds the failure in _await_fault)
         with contextlib.suppress(Exception):
             watcher.set(self._key("ack", self.rank), "1")
-        with self._lock:
-            first = self._fault is None
-            if first:
-                self._fault = fault
-        if first:
-            logger.error("%s", self._error())
-            self._release()
+            watcher.wait([self._key("ack", r) for r in range(self.world)], datetime.timedelta(seconds=self.ACK_TIMEOUT_S))
+        if self._fault is None:
+            logger.error("%s", RankFailedError(*fault))
+        self._record(fault)
 
     def close(self) -> None:
         """Stop the watcher thread (at exit)."""
