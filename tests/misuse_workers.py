@@ -25,7 +25,9 @@ import commpress.ddp
 from ddp_workers import free_port, make_ddp, train_step
 
 
-def _entry(rank: int, world: int, port: int, pg_timeout_s: float, out: str, case: str, args: tuple[Any, ...]) -> None:
+def _entry(
+    rank: int, world: int, port: int, pg_timeout_s: float, out: str, case: str, args: tuple[Any, ...], linger_s: float
+) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -37,22 +39,30 @@ def _entry(rank: int, world: int, port: int, pg_timeout_s: float, out: str, case
         CASES[case](rank, *args)
     except Exception as exc:  # noqa: BLE001 - the test inspects which error each rank saw
         error = f"{type(exc).__name__}: {exc}"
-    Path(out, f"rank{rank}.json").write_text(json.dumps({"error": error, "seconds": time.monotonic() - start}))
+    report = {"error": error, "seconds": time.monotonic() - start, "at": time.monotonic(), "log": LOG}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(report))
+    if error:
+        time.sleep(linger_s)  # alive and silent: its connections stay open
     os._exit(0)  # the process group is broken by design here: no orderly teardown
 
 
 def launch(
     case: str, world: int, out: Path, *args: Any, pg_timeout_s: float = 60.0, bound_s: float = 120.0,
-    stopped: tuple[int, ...] = (),
+    stopped: tuple[int, ...] = (), linger: dict[int, float] | None = None,
 ) -> dict[int, dict]:
     """Run ``CASES[case](rank, *args)`` on ``world`` ranks; return what each rank reported.
 
     Raises AssertionError if a rank other than the ``stopped`` ones (SIGSTOPped on purpose) is
-    still running after ``bound_s`` seconds (a hang).
+    still running after ``bound_s`` seconds (a hang). A rank in ``linger`` that ends with an
+    error stays alive that many seconds after reporting it (as a process whose exit is slow).
+    Reports carry ``at``, the system-wide monotonic clock when the rank finished.
     """
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, pg_timeout_s, str(out), case, args)) for r in range(world)]
+    procs = [
+        ctx.Process(target=_entry, args=(r, world, port, pg_timeout_s, str(out), case, args, (linger or {}).get(r, 0.0)))
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     deadline = time.monotonic() + bound_s
@@ -68,6 +78,10 @@ def launch(
     reports = {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(world) if (out / f"rank{r}.json").exists()}
     assert not hung, f"{case}: ranks {hung} hung; reports {reports}"
     return reports
+
+
+#: what a case wants reported besides its final error (e.g. errors it caught and went on from)
+LOG: list[str] = []
 
 
 def _train(ddp: Any, steps: int, on_step: Callable[[int], None] | None = None) -> None:
@@ -120,7 +134,46 @@ def case_stopped(rank: int, victims: list[int]) -> None:
     _train(ddp, 20, _kill_self_at(5, signal.SIGSTOP, victims))
 
 
+def _corrupt_received(victim: int) -> list[bool]:
+    """Once armed (``flag[0] = True``), rank ``victim`` sees the next frame it unpacks from a peer zeroed.
+
+    Models bytes corrupted on the way to one rank: every other rank decodes what was sent.
+    """
+    from commpress.wire.frame import FrameLayout
+
+    original = FrameLayout.unpack
+    armed = [False]
+
+    def unpack(self: FrameLayout, buf: torch.Tensor, source: int | None = None, **kw: Any) -> Any:
+        if armed[0] and source is not None and source != victim:
+            armed[0] = False
+            buf = torch.zeros_like(buf)
+        return original(self, buf, source, **kw)
+
+    if dist.get_rank() == victim:
+        FrameLayout.unpack = unpack  # type: ignore[method-assign]
+    return armed
+
+
+def case_corrupt(rank: int, victim: int, codec: str, opts: dict[str, Any], catch: bool) -> None:
+    """Rank ``victim`` receives corrupt bytes at step 3 of 10; with ``catch`` it logs the error and trains on."""
+    ddp = make_ddp()
+    commpress.ddp.register(ddp, codec, **opts)
+    armed = _corrupt_received(victim)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    for step in range(10):
+        armed[0] = armed[0] or step == 3
+        try:
+            train_step(ddp, opt, rank, step)
+        except Exception as exc:
+            if not (catch and rank == victim):
+                raise
+            LOG.append(f"step {step}: {type(exc).__name__}: {exc}")
+            catch = False  # the next error ends it
+
+
 CASES: dict[str, Callable[..., None]] = {
+    "corrupt": case_corrupt,
     "differ_unverified": case_differ_unverified,
     "some_ranks_register": case_some_ranks_register,
     "killed": case_killed,

@@ -16,7 +16,7 @@ from commpress.ps import checkpoint as ckpt
 from commpress.ps.demos import digits_task
 from commpress.ps.faults import before_push
 from commpress.ps.protocol import BROADCAST, MsgType, build
-from commpress.ps.server import ShardServer
+from commpress.ps.server import ShardServer, gather_stats
 from commpress.ps.sharding import Layout, fingerprint
 from commpress.ps.worker import WorkerNode
 
@@ -413,3 +413,77 @@ def test_checkpoint_files(tmp_path):
         f.write(b"not a checkpoint")
     with pytest.raises(ConfigError, match="cannot read"):
         ckpt.load(d, 2, 1)
+
+
+# ----- plausibility of pushed values (issue 12, failure 6) ----------------------------------------
+def _run_with_hostile_worker(cfg, hostile, *, skip_instead=False):
+    """3 workers; from step 2 on, worker ``hostile`` flips the exponent's top bit of its largest
+    shard-0 gradient value and pushes it through the honest API (valid CRC). With
+    ``skip_instead`` it sends a SKIP push to shard 0 instead (what the server should make of it)."""
+    from commpress.ps.protocol import FLAG_SKIP
+
+    c = Cluster(cfg, workers=3)
+    c.start()
+    sh = c.layout.shards[0]
+    for t in range(cfg.steps):
+        for w in range(c.W):
+            node = c.nodes[w]
+            loss, grad = node.compute(c.task.loss, c.task.batch(w, c.W, t))
+            if w == hostile and t >= 2:
+                grad = grad.clone()
+                j = int(grad[sh.start : sh.stop].abs().argmax()) + sh.start
+                grad.view(torch.int32)[j] ^= 1 << 30  # 1e-2 -> ~3e36, still a finite float32
+            msgs = node.push(t, grad, loss)
+            if w == hostile and t >= 2 and skip_instead:
+                msgs[0] = (0, build(MsgType.PUSH, shard=0, worker=w, step=t, flags=FLAG_SKIP))
+            c.send(w, msgs)
+        for w in range(c.W):
+            c.deliver(w, t)
+    return c
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_push_with_a_flipped_exponent_is_dropped_counted_and_named(mode, caplog):
+    # before: the server applied it (the red-team's MPI run: digits accuracy 85.8% -> 20.6%)
+    cfg = _cfg(codec="none", mode=mode, steps=8)
+    assert cfg.max_push_norm == 1e3  # the default
+    with caplog.at_level("WARNING", logger="commpress"):
+        c = _run_with_hostile_worker(cfg, hostile=2)
+    rank = c.S + 2
+    assert c.servers[0].stats.implausible == {rank: 6}  # steps 2..7, on the shard it corrupted
+    assert c.servers[1].stats.implausible == {}
+    assert gather_stats([sv.stats.as_dict() for sv in c.servers])["implausible"] == 6
+    assert f"dropped a push of worker 2 (rank {rank})" in caplog.text and "exceeds 1000 x the running norm" in caplog.text
+    assert "PUSH at step 7: norm" in c.servers[0].last_rejected[2]
+    # dropped exactly like a skip push: the run goes on with the other workers' gradients
+    skipped = _run_with_hostile_worker(cfg, hostile=2, skip_instead=True)
+    assert torch.equal(c.params(), skipped.params())
+    # without the bound the corrupted value is applied
+    off = _run_with_hostile_worker(_cfg(codec="none", mode=mode, steps=8, max_push_norm=0), hostile=2)
+    assert off.servers[0].stats.implausible == {}
+    assert not bool(torch.isfinite(off.params()).all()) or float((off.params() - c.params()).abs().max()) > 1e6
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("codec", ["none", "topk:ratio=0.1", "sign"])
+def test_the_default_push_bound_leaves_an_honest_run_bit_identical(mode, codec):
+    runs = []
+    for bound in (1e3, 0):
+        c = Cluster(_cfg(codec=codec, mode=mode, max_push_norm=bound), workers=3)
+        c.start()
+        for t in range(c.cfg.steps):
+            c.sync_step(t)
+        assert all(sv.stats.implausible == {} for sv in c.servers)
+        runs.append(c.params())
+    assert torch.equal(runs[0], runs[1])
+
+
+def test_max_push_norm_is_checked_and_reaches_the_cli():
+    from commpress.ps.__main__ import build_parser as parser
+    from commpress.ps.__main__ import config_from
+
+    for bad in (-1, 0.5, float("inf"), float("nan"), True, "10"):
+        with pytest.raises(ConfigError, match="max_push_norm"):
+            _cfg(max_push_norm=bad)
+    assert config_from(parser().parse_args(["--max-push-norm", "50"])).max_push_norm == 50
+    assert config_from(parser().parse_args([])).max_push_norm == 1e3

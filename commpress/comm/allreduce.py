@@ -17,7 +17,7 @@ from ..codecs import Codec
 from ..codecs.base import all_finite
 from ..errors import CodecError
 from ..feedback import ErrorFeedback
-from .driver import Algorithm, CommStats, StepContext, dense_accounting
+from .driver import Algorithm, CommStats, StepContext, dense_accounting, then
 
 
 def allreduce_mean(
@@ -57,7 +57,7 @@ def _cast_reduce(
             buffer.copy_(send)
         return buffer
 
-    return work.get_future().then(finish)
+    return then(work.get_future(), finish, buffer.device)
 
 
 class AllReduce(Algorithm):

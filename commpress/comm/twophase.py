@@ -109,20 +109,23 @@ class TwoPhase(Algorithm):
             input_split_sizes=[lay.nbytes for lay in layouts], group=ctx.group, async_op=True,
         )
         assert work is not None
-        work.wait()
+        ctx.wait(work)  # raises at once when another rank failed
         t2 = time.perf_counter()
         # Step 3: decode, average and re-encode this rank's pieces.
         sizes = [b[r][1] - b[r][0] for b in bounds]
         acc_offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         acc = torch.empty(sum(sizes), dtype=accumulate_dtype(ctx.flat.dtype), device=ctx.device)
         bad = [False] * len(slots)
-        for j in range(n):
-            frame = mine.unpack(recv[j * mine.nbytes : (j + 1) * mine.nbytes], source=j)
-            for i, p in enumerate(frame):
-                if p is None:
-                    bad[i] = True
-                elif p.numel:
-                    decode_add(slots[i].codec, p, acc[acc_offsets[i] : acc_offsets[i] + p.numel], first=j == 0)
+        try:
+            for j in range(n):
+                frame = mine.unpack(recv[j * mine.nbytes : (j + 1) * mine.nbytes], source=j)
+                for i, p in enumerate(frame):
+                    if p is None:
+                        bad[i] = True
+                    elif p.numel:
+                        decode_add(slots[i].codec, p, acc[acc_offsets[i] : acc_offsets[i] + p.numel], first=j == 0)
+        except Exception as exc:  # the others are about to wait for phase 2: tell them
+            raise ctx.failed(exc) from exc
         acc.div_(n)
         t3 = time.perf_counter()
         avg = acc.to(ctx.flat.dtype)

@@ -19,12 +19,13 @@ from typing import Any
 import torch
 
 from ..codecs import Codec
+from ..comm.driver import RankFailedError
 from .auto import AutoPolicy
 from .hook import hook
 from .planning import ParamPlan, plan_parameters
 from .state import CompressionState
 
-__all__ = ["AutoPolicy", "CompressionState", "ParamPlan", "hook", "plan_parameters", "register"]
+__all__ = ["AutoPolicy", "CompressionState", "ParamPlan", "RankFailedError", "hook", "plan_parameters", "register"]
 
 
 def register(

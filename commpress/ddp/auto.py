@@ -65,6 +65,7 @@ from ..comm.costmodel import (
     compressed_plan,
     predict,
 )
+from ..comm.driver import wait
 from ..errors import CodecError
 from .planning import BucketPlan
 
@@ -314,7 +315,7 @@ class AutoPolicy:
         self._work_predicted = 0.0
         sums = torch.tensor(values, dtype=torch.float64, device=device)
         if state.world_size > 1:
-            dist.all_reduce(sums, op=dist.ReduceOp.MAX, group=state.process_group)
+            wait(dist.all_reduce(sums, op=dist.ReduceOp.MAX, group=state.process_group, async_op=True), device)
         reduced = sums.tolist()
         spent_max, predicted_work = reduced[-2], reduced[-1]
         if spent_max > 0 and predicted_work > 0 and self.device_cost is not None:

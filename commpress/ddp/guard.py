@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..comm.driver import wait
+
 logger = logging.getLogger("commpress")
 
 
@@ -79,7 +81,7 @@ class DivergenceGuard:
             return
         sums = torch.tensor(self._sums, dtype=torch.float64, device=device)
         self._sums = [0.0, 0.0]
-        dist.all_reduce(sums, group=group)  # the same decision on every rank
+        wait(dist.all_reduce(sums, group=group, async_op=True), device)  # the same decision on every rank
         e_sq, x_sq = float(sums[0]), float(sums[1])
         if x_sq <= 0.0 or not (e_sq == e_sq) or not (x_sq == x_sq):  # nothing compressed, or a NaN step
             return

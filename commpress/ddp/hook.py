@@ -30,12 +30,28 @@ def hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Futu
     4. every few steps, measure residual vs input norms for the divergence guard
        (:mod:`commpress.ddp.guard`); after the last bucket, let it decide and advance ``state.step``.
 
+    A failure on this rank (bytes it cannot decode, an error in the steps above) is posted to
+    every rank (:class:`commpress.comm.driver.FaultChannel`): every rank raises
+    :class:`~commpress.comm.driver.RankFailedError` naming this rank, the step and the bucket
+    within milliseconds, and keeps raising at every later step.
+
     Example::
 
         state = commpress.ddp.CompressionState(ddp_model, "sign", block_size=256)
         ddp_model.register_comm_hook(state, commpress.ddp.hook)
     """
-    buffer = bucket.buffer()
+    faults = state.faults
+    faults.check()  # some rank already failed: raise at once, issue nothing
+    where = f"step {state.step}, bucket {bucket.index()}"
+    with faults.scope(where):  # the futures and waits of these collectives: failable by the channel
+        try:
+            return _reduce(state, bucket, bucket.buffer())
+        except Exception as exc:  # this rank cannot go on: the others must not wait for it
+            raise faults.fail(exc, where) from exc
+
+
+def _reduce(state: CompressionState, bucket: dist.GradBucket, buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    """Steps 1-4 of :func:`hook` for one bucket; the future its collectives complete."""
     plan = state.bucket_plan(bucket.parameters(), buffer.numel())
     state.before_bucket()
     if state.momentum_rules:

@@ -10,11 +10,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import codecs, comm
+from .. import checkpoint, codecs, comm
 from ..codecs import Bf16Codec, Codec, Fp16Codec, NoneCodec
 from ..codecs.base import all_finite
 from ..comm import CommStats, check_algorithm
 from ..comm.agreement import check_same_config
+from ..comm.driver import FaultChannel
 from ..errors import CodecError
 from ..feedback import MAX_PLAUSIBLE_ABS, ErrorFeedback, check_state_header, residual_dtype
 from ..rng import derive_seed
@@ -121,6 +122,7 @@ class CompressionState:
         "warmup_steps", "warmup_codec", "seed", "step", "plans", "plans_by_id", "feedback", "server_feedback",
         "momentum", "momentum_masking", "velocity", "_bucket_plans", "_stats", "momentum_rules",
         "optimizer", "guard", "adam", "_verify_pending", "_stats_from_step", "auto",
+        "faults",
     )
 
     def __init__(
@@ -188,6 +190,9 @@ class CompressionState:
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
+        # a failure on one rank becomes every rank's error (see FaultChannel): a watcher thread
+        # blocked on the store, nothing per step
+        self.faults = FaultChannel.of(process_group)
         self.algorithm = check_algorithm(algorithm, self.codec, self.world_size)
         self.error_feedback = error_feedback
         self.warmup_steps = warmup_steps
@@ -654,6 +659,23 @@ class CompressionState:
         self.step, self.seed = step, seed
         self._stats.load(stats.as_dict())  # in place: the collectives hold this object
         self._stats_from_step = stats_from
+
+    def save(self, path: str) -> None:
+        """Write :meth:`state_dict` to ``path`` (one file per rank): sha256 digest, private atomic write.
+
+        The file (:mod:`commpress.checkpoint`) is created through a fresh ``mkstemp`` name with
+        mode 0600 and renamed over ``path`` (a symlink there is replaced, never followed).
+        """
+        checkpoint.save_state(path, self.state_dict())
+
+    def load(self, path: str) -> None:
+        """Restore a file :meth:`save` wrote, all or nothing.
+
+        Refuses a symlink, checks the digest (a flipped byte or a truncated file raises
+        :class:`~commpress.checkpoint.CheckpointError`), then :meth:`load_state_dict` validates
+        every value; this state changes only if all of it passes.
+        """
+        self.load_state_dict(checkpoint.load_state(path, "commpress DDP state"))
 
     def __repr__(self) -> str:
         dense = sum(1 for p in self.plans.values() if not p.compressed)

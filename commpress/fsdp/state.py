@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from .. import codecs
+from .. import checkpoint, codecs
 from ..codecs import Bf16Codec, Codec, Fp16Codec, NoneCodec
 from ..comm import CommStats, Slot, StepContext, piece_key, resolve_codec
 from ..comm.agreement import check_same_config
@@ -447,6 +447,23 @@ class FSDPCompressionState:
         for m in self.modules:
             m.calls = int(calls[m.name])
         self.seed = seed
+
+    def save(self, path: str) -> None:
+        """Write :meth:`state_dict` to ``path`` (one file per rank): sha256 digest, private atomic write.
+
+        The file (:mod:`commpress.checkpoint`) is created through a fresh ``mkstemp`` name with
+        mode 0600 and renamed over ``path`` (a symlink there is replaced, never followed).
+        """
+        checkpoint.save_state(path, self.state_dict())
+
+    def load(self, path: str) -> None:
+        """Restore a file :meth:`save` wrote, all or nothing.
+
+        Refuses a symlink, checks the digest (a flipped byte or a truncated file raises
+        :class:`~commpress.checkpoint.CheckpointError`), then :meth:`load_state_dict` validates
+        every value; this state changes only if all of it passes.
+        """
+        self.load_state_dict(checkpoint.load_state(path, "commpress FSDP state"))
 
     def __repr__(self) -> str:
         return (

@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--min-compress", type=int, default=512, help="smaller pieces and 1-D params travel dense (512)")
     g.add_argument("--max-drift", type=float, default=0.01,
                    help="max ||x_server - x_worker|| / ||x_server|| per shard after a reply (default 0.01)")
+    g.add_argument("--max-push-norm", type=float, default=1e3, metavar="FACTOR",
+                   help="servers drop a push whose norm exceeds FACTOR x the running norm of accepted pushes, "
+                        "count it and name its worker (default 1e3; 0: off)")
     g.add_argument("--resync-every", type=int, default=0, help="send dense parameters every N replies (0: off)")
     g.add_argument("--timeout", type=float, default=30.0, help="seconds before a silent worker counts as gone (30)")
     g.add_argument("--cuda-aware", choices=("auto", "yes", "no"), default="auto",
@@ -85,7 +88,7 @@ def config_from(args: argparse.Namespace) -> PSConfig:
     cfg = PSConfig(
         servers=args.servers, mode=args.mode, staleness=args.staleness, steps=args.steps, codec=args.codec,
         pull_codec=args.pull_codec, error_feedback=args.error_feedback, min_compress=args.min_compress,
-        max_drift=args.max_drift, resync_every=args.resync_every, timeout=args.timeout,
+        max_drift=args.max_drift, max_push_norm=args.max_push_norm, resync_every=args.resync_every, timeout=args.timeout,
         checkpoint=args.checkpoint, checkpoint_every=args.checkpoint_every, resume=args.resume, seed=args.seed,
         progress=not args.no_progress, log_dir=args.log_dir, device=args.device, cuda_aware=args.cuda_aware,
         faults=tuple(parse_fault(f) for f in args.fault),
@@ -122,6 +125,7 @@ def summary(result: Any, cfg: PSConfig, workers: int) -> dict[str, Any]:
         "server_MB_per_s": [round((s["bytes_in"] + s["reply_bytes"]) / max(result.seconds, 1e-9) / 1e6, 3) for s in per],
         "server_busy_fraction": [round(b / max(result.seconds, 1e-9), 3) for b in busy],
         "rejected": st["rejected"],
+        "implausible": st.get("implausible", 0),
         "dropped_ranks": st["dropped"],
         "resyncs": st["resyncs"],
         "max_drift": st["max_drift"],
@@ -184,7 +188,7 @@ def format_summary(r: dict[str, Any]) -> str:
         f"  bytes/step/worker: push {r['push_bytes_per_step_per_worker']:.0f}, pull "
         f"{r['pull_bytes_per_step_per_worker']:.0f} (dense {r['dense_bytes_per_step_per_worker']})",
         f"  servers: msgs/s {r['server_msgs_per_s']}, MB/s {r['server_MB_per_s']}, busy {r['server_busy_fraction']}",
-        f"  rejected {r['rejected']}, dropped {r['dropped_ranks']}, resyncs {r['resyncs']}, "
+        f"  rejected {r['rejected']}, implausible pushes dropped {r['implausible']}, dropped {r['dropped_ranks']}, resyncs {r['resyncs']}, "
         f"max drift {r['max_drift']:.3g}, max lead {r['max_ahead']}, skipped pushes {r['skipped_pushes']}",
     ]
     return "\n".join(lines)

@@ -59,6 +59,9 @@ class PSConfig:
             elements, and all 1-D parameters, travel dense.
         max_drift: bound on ``||x_server - x_worker|| / ||x_server||`` per shard after every
             reply; an update that would leave more drift is replaced by the dense parameters.
+        max_push_norm: plausibility bound of the servers: a push whose decoded norm exceeds
+            this many times the running norm of accepted pushes (per shard) is dropped, counted
+            and its worker named (:class:`~commpress.ps.server.ShardServer`); 0 disables it.
         resync_every: also send dense parameters every this many replies (0: never).
         timeout: seconds of silence after which a worker counts as gone; in sync mode the run
             stops naming it, in async/ssp it is dropped.
@@ -83,6 +86,7 @@ class PSConfig:
     error_feedback: str = "auto"
     min_compress: int = 512
     max_drift: float = 0.01
+    max_push_norm: float = 1e3
     resync_every: int = 0
     timeout: float = 30.0
     checkpoint: str | None = None
@@ -109,6 +113,9 @@ class PSConfig:
             raise ConfigError(f"error_feedback must be auto, on or off, got {self.error_feedback!r}")
         if not (isinstance(self.max_drift, (int, float)) and self.max_drift > 0):
             raise ConfigError(f"max_drift must be > 0 (inf disables the guard), got {self.max_drift!r}")
+        if (isinstance(self.max_push_norm, bool) or not isinstance(self.max_push_norm, (int, float))
+                or not (self.max_push_norm == 0 or 1 <= self.max_push_norm < math.inf)):
+            raise ConfigError(f"max_push_norm must be 0 (off) or a finite factor >= 1, got {self.max_push_norm!r}")
         if not isinstance(self.resync_every, int) or self.resync_every < 0:
             raise ConfigError(f"resync_every must be an int >= 0, got {self.resync_every!r}")
         if not (isinstance(self.timeout, (int, float)) and self.timeout > 0 and math.isfinite(self.timeout)):

@@ -23,6 +23,17 @@ async/ssp: any message once its reply went out) that stays silent for ``timeout`
 raises :class:`~commpress.ps.errors.WorkerTimeout` in sync mode, and is dropped in
 async/ssp mode (it no longer holds back ssp, and gets ``STOP`` if it comes back).
 
+**Plausibility of pushed values.** A push can be valid bytes with a valid CRC and still carry
+a value no gradient has (a flipped exponent bit: the red-team took digits from 85.8% to 20.6%
+accuracy that way). Each server keeps a running norm of the pushes it accepted (an average
+with weight 0.1 per push, seeded by the median of the first ``W`` pushes, which are accepted
+as they come); a push whose decoded norm exceeds ``max_push_norm`` times it (default 1000; 0
+disables the check) is dropped like a skip push, counted per sender in ``stats.implausible``,
+logged with its worker and norm, and the step goes on without it. A dropped push leaves the
+running norm as it was, so a run whose gradients legitimately grow 1000x within ~10 pushes
+would keep dropping them: raise the factor there. It bounds mistakes, not an adversary who
+inflates values slowly, and, like the CRC, it is not authentication.
+
 **No single message stops the server.** Anything a peer sends that the run cannot accept
 (bad bytes, a first PULL with another configuration fingerprint or from another step, a
 BYE before joining or, in sync mode, before the last step) raises
@@ -88,6 +99,7 @@ class Stats:
     step_reply_bytes: int = 0
     params_replies: int = 0
     rejected: dict[int, int] = field(default_factory=dict)
+    implausible: dict[int, int] = field(default_factory=dict)
     skipped_pushes: int = 0
     resyncs: int = 0
     max_drift: float = 0.0
@@ -100,6 +112,7 @@ class Stats:
         """Plain-data copy (JSON-ready)."""
         d = dict(self.__dict__)
         d["rejected"] = {str(k): v for k, v in self.rejected.items()}
+        d["implausible"] = {str(k): v for k, v in self.implausible.items()}
         d["seconds"] = dict(self.seconds)
         d["dropped"] = list(self.dropped)
         return d
@@ -178,6 +191,9 @@ class ShardServer:
         self.last_loss: dict[int, float] = {}
         self.last_rejected: dict[int, str] = {}  # worker -> reason of its last rejected message
         self.stats = Stats()
+        self.max_push_norm = float(config.max_push_norm)
+        self.push_norm = 0.0  # running norm of accepted pushes (0: not seeded yet)
+        self._first_norms: list[float] = []  # the first W pushes' norms, which seed it
         self._push_size = payload_nbytes(self.shard, self._push_codec_for, self.dtype)
         self._update_size = payload_nbytes(self.shard, self._pull_codec_for, self.dtype)
         self._params_size = payload_nbytes(self.shard, lambda s: DENSE, self.dtype)
@@ -328,6 +344,8 @@ class ShardServer:
             self.stats.seconds["validate"] += t1 - t0
             grad = decode_segments(packets, self.shard, self._push_codec_for, torch.empty_like(self.x), sender)
             self.stats.seconds["decode"] += time.perf_counter() - t1
+            if self.max_push_norm and not self._plausible(worker, step, grad, sender):
+                grad = None  # dropped like a skip push: the step goes on without it
         # accepted: from here on the message counts
         self.last_heard[worker] = self.now()
         self.stats.push_msgs += 1
@@ -352,6 +370,28 @@ class ShardServer:
             return [(sender, self._reply(worker, step))]
         self.held.add(worker)
         return self._release()
+
+    def _plausible(self, worker: int, step: int, grad: torch.Tensor, sender: int) -> bool:
+        """Check a decoded push against ``max_push_norm`` times the running norm; update the norm."""
+        norm = float(torch.linalg.vector_norm(grad, dtype=torch.float64))
+        bound = self.max_push_norm * self.push_norm
+        if not math.isfinite(norm) or (self.push_norm > 0 and norm > bound):
+            n = self.stats.implausible.get(sender, 0) + 1
+            self.stats.implausible[sender] = n
+            reason = f"PUSH at step {step}: norm {norm:.3g} exceeds {self.max_push_norm:g} x the running norm {self.push_norm:.3g}"
+            self.last_rejected[worker] = reason
+            self._event(event="implausible", rank=sender, step=step, norm=norm, bound=bound)
+            if n <= 10 or n % 100 == 0:
+                logger.warning("[commpress.ps server %d] dropped a push of worker %d (rank %d): %s", self.index, worker,
+                               sender, reason)
+            return False
+        if len(self._first_norms) < self.W:  # seeding: accept, then start from the median
+            self._first_norms.append(norm)
+            if len(self._first_norms) == self.W:
+                self.push_norm = float(np.median(self._first_norms))
+        else:
+            self.push_norm = 0.9 * self.push_norm + 0.1 * norm if self.push_norm > 0 else norm
+        return True
 
     def _sync_step(self) -> Out:
         t0 = time.perf_counter()
@@ -654,6 +694,8 @@ def _update_bar(bar: Any, server: ShardServer, elapsed: float) -> None:
         post["loss"] = f"{sum(server.last_loss.values()) / len(server.last_loss):.4f}"
     if s.rejected:
         post["rejected"] = sum(s.rejected.values())
+    if s.implausible:
+        post["implausible"] = sum(s.implausible.values())
     if s.dropped:
         post["dropped"] = len(s.dropped)
     bar.set_postfix(post, refresh=False)
@@ -668,5 +710,6 @@ def gather_stats(stats: Sequence[dict[str, Any]]) -> dict[str, Any]:
     total["max_drift"] = max(float(s["max_drift"]) for s in stats)
     total["max_ahead"] = max(int(s["max_ahead"]) for s in stats)
     total["rejected"] = sum(sum(s["rejected"].values()) for s in stats)
+    total["implausible"] = sum(sum(s.get("implausible", {}).values()) for s in stats)
     total["dropped"] = sorted({r for s in stats for r in s["dropped"]})
     return total

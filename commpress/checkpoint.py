@@ -1,0 +1,238 @@
+"""Checkpoint files: a digest on every file, private atomic writes, symlinks refused, no pickle of objects.
+
+One file format for everything commpress saves (the parameter server's shards and residuals,
+:class:`~commpress.ddp.CompressionState`, :class:`~commpress.fsdp.FSDPCompressionState`): a
+40-byte header, then ``torch.save`` bytes of tensors and plain types, read back with
+``weights_only=True`` (loading never runs code):
+
+======  ====  ==============================================================
+offset  size  field
+======  ====  ==============================================================
+0       4     ``magic``: ``b"CPCK"`` (parameter server), ``b"CPST"`` (DDP/FSDP states)
+4       4     ``format`` of the file (uint32, little-endian)
+8       32    ``sha256`` of the bytes that follow
+======  ====  ==============================================================
+
+**Reading** (:func:`read_file`), in this order and before the caller changes anything: the path
+is a regular file (a symlink is refused: ``O_NOFOLLOW``), the magic and format are the
+expected ones, the digest matches (a flipped byte or a truncated write reads as corruption),
+the content unpickles with ``weights_only=True``. The digest guards against accidents (disk,
+truncation, a bad copy), not against someone who can write the file: they can recompute it.
+That is what the callers' plausibility checks bound (:func:`validate`, ``load_state_dict``).
+
+**Writing** (:func:`write_private`): a fresh ``tempfile.mkstemp`` name in the target directory
+(unpredictable, created exclusively with mode 0600, so a planted symlink cannot redirect the
+write), flushed and fsynced, renamed over the final name (``os.replace`` replaces a symlink
+there rather than following it), then the directory is fsynced.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import math
+import os
+import stat
+import struct
+import tempfile
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from .feedback import MAX_PLAUSIBLE_ABS
+
+#: magic of the parameter server's files (:mod:`commpress.ps.checkpoint`)
+PS_MAGIC = b"CPCK"
+#: magic and format of a DDP / FSDP compression state file (:func:`save_state`)
+STATE_MAGIC = b"CPST"
+STATE_FILE_FORMAT = 1
+_HEAD = struct.Struct("<4sI32s")
+HEADER_NBYTES = _HEAD.size  # 40
+#: Largest magnitude :func:`validate` accepts in any tensor or float by default.
+MAX_ABS = MAX_PLAUSIBLE_ABS
+_INT64 = 1 << 63
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file cannot be trusted or read: refused, corrupt, another format, implausible."""
+
+
+def _fsync_dir(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems cannot fsync a directory: the rename is still atomic
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_private(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically through a private temporary file (mode 0600).
+
+    The temporary name comes from ``tempfile.mkstemp`` in the same directory (exclusive
+    creation, unpredictable name); it is fsynced, then renamed over ``path``.
+    """
+    directory = os.path.dirname(path) or "."
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_dir(directory)
+
+
+def read_regular(path: str, what: str = "checkpoint") -> bytes:
+    """The bytes of ``path``, refusing a symlink or anything but a regular file."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {what} {path}: {exc.strerror or exc} (a symlink is refused)") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise CheckpointError(f"{what} {path} is not a regular file")
+        return f.read()
+
+
+def encode(state: Mapping[str, Any], *, magic: bytes, fmt: int) -> bytes:
+    """Header (magic, format, sha256 of the body) followed by ``torch.save`` bytes of ``state``."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    body = buf.getvalue()
+    return _HEAD.pack(magic, fmt, hashlib.sha256(body).digest()) + body
+
+
+def decode(data: bytes, path: str, *, magic: bytes, fmt: int, what: str) -> Any:
+    """Check header and digest of a file's bytes, then unpickle its body with ``weights_only=True``."""
+    if len(data) < HEADER_NBYTES or data[:4] != magic:
+        raise CheckpointError(f"cannot read {what} {path}: not a {what} file (no {magic!r} header)")
+    _, found, digest = _HEAD.unpack_from(data)
+    if found != fmt:
+        raise CheckpointError(f"{path} is a {what} file of format {found}; this build reads format {fmt}")
+    body = memoryview(data)[HEADER_NBYTES:]
+    if hashlib.sha256(body).digest() != digest:
+        raise CheckpointError(f"{path} is corrupt: its sha256 digest does not match its content")
+    try:
+        return torch.load(io.BytesIO(body), map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - unreadable for any reason: say which file
+        raise CheckpointError(f"cannot read {what} {path}: {type(exc).__name__}: {str(exc)[:200]}") from None
+
+
+def write_file(path: str, state: Mapping[str, Any], *, magic: bytes, fmt: int) -> None:
+    """:func:`encode` ``state`` and write it with :func:`write_private`."""
+    write_private(path, encode(state, magic=magic, fmt=fmt))
+
+
+def read_file(path: str, *, magic: bytes, fmt: int, what: str) -> Any:
+    """Read a file written by :func:`write_file`: regular file, header, digest, then content."""
+    return decode(read_regular(path, what), path, magic=magic, fmt=fmt, what=what)
+
+
+def _walk(value: Any, where: str) -> Iterator[tuple[str, Any]]:
+    """Yield ``(path, leaf)`` for every leaf of nested dicts, lists and tuples."""
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            yield from _walk(v, f"{where}.{k}" if where else str(k))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _walk(v, f"{where}[{i}]")
+    else:
+        yield where, value
+
+
+def validate(state: Mapping[str, Any], *, like: Mapping[str, Any] | None = None, max_abs: float = MAX_ABS,
+             what: str = "checkpoint") -> None:
+    """Raise :class:`CheckpointError` naming the entry unless every value of ``state`` is plausible.
+
+    Floating tensors and floats: finite, magnitude at most ``max_abs``; integers within 64 bits;
+    with ``like``: ``state`` has ``like``'s structure (every key of its mappings, lists of the
+    same length, tensors of the same shape and dtype, other values of the same type: a loader
+    can then convert them without TypeError). Reads only; nothing is changed.
+    """
+    for where, v in _walk(state, ""):
+        if isinstance(v, torch.Tensor):
+            if v.is_floating_point() or v.is_complex():
+                if v.numel() == 0:
+                    continue
+                if not bool(torch.isfinite(v).all()):
+                    raise CheckpointError(f"{what}: {where} holds NaN or Inf")
+                top = float(v.abs().max())
+                if top > max_abs:
+                    raise CheckpointError(f"{what}: {where} holds {top:.4g}, beyond the plausible magnitude {max_abs:g} (corrupt?)")
+            elif v.dtype != torch.bool and v.numel():
+                if int(v.min()) < -_INT64 or int(v.max()) >= _INT64:  # uint64 beyond int64
+                    raise CheckpointError(f"{what}: {where} holds an integer outside int64")
+        elif isinstance(v, bool) or v is None or isinstance(v, str):
+            continue
+        elif isinstance(v, int):
+            if not -_INT64 <= v < 2 * _INT64:  # uint64 too: fingerprints are unsigned
+                raise CheckpointError(f"{what}: {where} = {v} is outside the 64-bit integer range")
+        elif isinstance(v, float):
+            if not math.isfinite(v) or abs(v) > max_abs:
+                raise CheckpointError(f"{what}: {where} = {v} is not finite or beyond {max_abs:g}")
+    if like is not None:
+        _check_like(state, like, "", what)
+
+
+def _check_like(got: Any, want: Any, where: str, what: str) -> None:
+    """Raise :class:`CheckpointError` unless ``got`` has the structure of ``want``.
+
+    Mappings holding its keys, lists of its length, tensors of its shape and dtype, other values
+    of its type (found by fuzzing: a ``clock`` of another length or ``skipped_steps=None``
+    reached the loaders).
+    """
+    if isinstance(want, torch.Tensor):
+        if not isinstance(got, torch.Tensor):
+            raise CheckpointError(f"{what}: {where} is missing (expected a {want.dtype} tensor of shape {tuple(want.shape)})")
+        if got.shape != want.shape or got.dtype != want.dtype:
+            raise CheckpointError(f"{what}: {where} is {got.dtype} {tuple(got.shape)}, expected {want.dtype} {tuple(want.shape)}")
+    elif isinstance(want, Mapping):
+        if not isinstance(got, Mapping):
+            raise CheckpointError(f"{what}: {where or 'the state'} is a {type(got).__name__}, expected a mapping")
+        for k, v in want.items():
+            path = f"{where}.{k}" if where else str(k)
+            if k not in got:
+                if isinstance(v, torch.Tensor):
+                    _check_like(None, v, path, what)
+                raise CheckpointError(f"{what}: {path} is missing")
+            _check_like(got[k], v, path, what)
+    elif isinstance(want, (list, tuple)):
+        if not isinstance(got, (list, tuple)) or len(got) != len(want):
+            raise CheckpointError(f"{what}: {where} is {type(got).__name__} {got!r:.60}, expected a list of {len(want)}")
+        for i, (g, w) in enumerate(zip(got, want)):
+            _check_like(g, w, f"{where}[{i}]", what)
+    elif type(got) is not type(want):
+        raise CheckpointError(f"{what}: {where} is a {type(got).__name__}, expected a {type(want).__name__}")
+
+
+# ----- DDP / FSDP compression states -----------------------------------------------------------
+def save_state(path: str, state: Mapping[str, Any]) -> None:
+    """Write a compression state's ``state_dict()`` to ``path`` (digest, private, atomic)."""
+    write_file(path, state, magic=STATE_MAGIC, fmt=STATE_FILE_FORMAT)
+
+
+def load_state(path: str, what: str = "commpress state") -> dict[str, Any]:
+    """Read a file :func:`save_state` wrote; its owner's ``load_state_dict`` then validates the values."""
+    state = read_file(path, magic=STATE_MAGIC, fmt=STATE_FILE_FORMAT, what=what)
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} does not hold a {what} (a {type(state).__name__})")
+    return state
+
+
+__all__ = [
+    "HEADER_NBYTES", "MAX_ABS", "PS_MAGIC", "STATE_FILE_FORMAT", "STATE_MAGIC", "CheckpointError", "decode",
+    "encode", "load_state", "read_file", "read_regular", "save_state", "validate", "write_file", "write_private",
+]
