@@ -166,8 +166,9 @@ def worker_guard(rank: int, world: int, out: str) -> None:
     results = {}
     for case, codec, opts in (
         ("healthy", "topk", {"ratio": 0.1}),
-        # random-k keeping 1 of 16384 weights: the residual grows every step until it dwarfs the input
-        ("unstable", "randomk", {"k": 1}),
+        # top-k keeping 1 of 16384 weights: the residual (of velocities) grows every step until it
+        # dwarfs the input
+        ("unstable", "topk", {"k": 1}),
     ):
         ddp = make_ddp()
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
