@@ -158,3 +158,7 @@ def test_cli_errors_without_mpirun():
     alone = subprocess.run([sys.executable, "-m", "commpress.ps", "--steps", "1", "--no-progress"],
                            capture_output=True, text=True, env=ENV, timeout=120)
     assert alone.returncode == 2 and "start at least 2 ranks" in alone.stderr
+    # red-team 2b: a negative batch size trained on silently (exit 0, 20.8%); now a clear option error
+    for flag, value in (("--batch-size", "-5"), ("--batch-size", "0"), ("--lr", "nan"), ("--lr", "-1")):
+        neg = subprocess.run([sys.executable, "-m", "commpress.ps", flag, value], capture_output=True, text=True, env=ENV)
+        assert neg.returncode == 2 and f"{flag} must be" in neg.stderr, (flag, value, neg.stderr)

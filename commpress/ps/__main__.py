@@ -147,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
                 kwargs[key] = getattr(args, key)
         if args.threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {args.threads}")
+        if args.batch_size is not None and args.batch_size < 1:
+            raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
+        if args.lr is not None and not args.lr > 0:  # also NaN
+            raise ConfigError(f"--lr must be > 0, got {args.lr}")
     except ConfigError as exc:
         print(f"python -m commpress.ps: error: {exc}", file=sys.stderr)
         return 2
