@@ -107,12 +107,16 @@ def read_regular(path: str, what: str = "checkpoint") -> bytes:
         return f.read()
 
 
+def frame(body: bytes, *, magic: bytes, fmt: int) -> bytes:
+    """``body`` behind its header (magic, format, sha256 of ``body``): a file's bytes."""
+    return _HEAD.pack(magic, fmt, hashlib.sha256(body).digest()) + body
+
+
 def encode(state: Mapping[str, Any], *, magic: bytes, fmt: int) -> bytes:
     """Header (magic, format, sha256 of the body) followed by ``torch.save`` bytes of ``state``."""
     buf = io.BytesIO()
     torch.save(state, buf)
-    body = buf.getvalue()
-    return _HEAD.pack(magic, fmt, hashlib.sha256(body).digest()) + body
+    return frame(buf.getvalue(), magic=magic, fmt=fmt)
 
 
 def decode(data: bytes, path: str, *, magic: bytes, fmt: int, what: str) -> Any:
@@ -234,5 +238,5 @@ def load_state(path: str, what: str = "commpress state") -> dict[str, Any]:
 
 __all__ = [
     "HEADER_NBYTES", "MAX_ABS", "PS_MAGIC", "STATE_FILE_FORMAT", "STATE_MAGIC", "CheckpointError", "decode",
-    "encode", "load_state", "read_file", "read_regular", "save_state", "validate", "write_file", "write_private",
+    "encode", "frame", "load_state", "read_file", "read_regular", "save_state", "validate", "write_file", "write_private",
 ]

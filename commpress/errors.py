@@ -28,6 +28,23 @@ class ConfigurationError(CodecError):
     """A DDP/FSDP compression state was misconfigured, or ranks disagree about its configuration."""
 
 
+class RankFailedError(RuntimeError):
+    """A rank could not complete a step of the compressed collectives; raised on every rank.
+
+    ``rank`` is the rank that failed, ``where`` the step and bucket (``"step 3, bucket 0"``) and
+    ``reason`` what it saw (``"WireError: frame from rank 0: bad header ..."``). From here on the
+    ranks' models differ (the failing rank has no average for that bucket): restart from a
+    checkpoint.
+    """
+
+    def __init__(self, rank: int, where: str, reason: str) -> None:
+        super().__init__(
+            f"commpress: rank {rank} failed at {where}: {reason}. Every rank of the process group "
+            "stops here (the ranks' models now differ): restart from a checkpoint"
+        )
+        self.rank, self.where, self.reason = rank, where, reason
+
+
 class PSError(RuntimeError):
     """A parameter-server run cannot continue (misconfiguration, protocol breach, timeout)."""
 

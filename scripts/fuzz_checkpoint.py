@@ -38,7 +38,6 @@ Options, corpus handling, timing and reports: the shared harness, ``scripts/fuzz
 
 from __future__ import annotations
 
-import hashlib
 import io
 import logging
 import os
@@ -211,8 +210,9 @@ class Target:
 
     def file_for(self, body: bytes) -> bytes:
         """A checkpoint file around ``body`` with a valid header and digest."""
-        ck = self.checkpoint
-        return ck._HEAD.pack(ck.MAGIC, ck.FORMAT, hashlib.sha256(body).digest()) + body
+        from commpress import checkpoint as files
+
+        return files.frame(body, magic=self.checkpoint.MAGIC, fmt=self.checkpoint.FORMAT)
 
     def load_ps(self, which: int) -> None:
         """Resume as the runner does: ``checkpoint.load(..., like=own state)``, then the rank's loader."""

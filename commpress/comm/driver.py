@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from ..codecs import Codec, NoneCodec
 from ..codecs.base import all_finite
-from ..errors import CodecError, ConfigurationError
+from ..errors import CodecError, ConfigurationError, RankFailedError
 from ..feedback import ErrorFeedback
 from ..wire.packet import Packet
 
@@ -184,23 +184,6 @@ def decode_add(codec: Codec, packet: Packet, acc: torch.Tensor, first: bool = Fa
 
 
 # ----- a failure on one rank is every rank's error ----------------------------------------------
-class RankFailedError(RuntimeError):
-    """A rank could not complete a step of the compressed collectives; raised on every rank.
-
-    ``rank`` is the rank that failed, ``where`` the step and bucket (``"step 3, bucket 0"``) and
-    ``reason`` what it saw (``"WireError: frame from rank 0: bad header ..."``). From here on the
-    ranks' models differ (the failing rank has no average for that bucket): restart from a
-    checkpoint.
-    """
-
-    def __init__(self, rank: int, where: str, reason: str) -> None:
-        super().__init__(
-            f"commpress: rank {rank} failed at {where}: {reason}. Every rank of the process group "
-            "stops here (the ranks' models now differ): restart from a checkpoint"
-        )
-        self.rank, self.where, self.reason = rank, where, reason
-
-
 #: (channel, position) of the collectives issued on this thread: see :meth:`FaultChannel.scope`.
 _scope: contextvars.ContextVar[tuple[FaultChannel, str] | None] = contextvars.ContextVar(
     "commpress_fault_scope", default=None

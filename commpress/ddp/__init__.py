@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..codecs import Codec
-from ..comm.driver import RankFailedError
+from ..errors import RankFailedError
 from .auto import AutoPolicy
 from .hook import hook
 from .planning import ParamPlan, plan_parameters

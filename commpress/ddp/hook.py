@@ -32,7 +32,7 @@ def hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Futu
 
     A failure on this rank (bytes it cannot decode, an error in the steps above) is posted to
     every rank (:class:`commpress.comm.driver.FaultChannel`): every rank raises
-    :class:`~commpress.comm.driver.RankFailedError` naming this rank, the step and the bucket
+    :class:`~commpress.errors.RankFailedError` naming this rank, the step and the bucket
     within milliseconds, and keeps raising at every later step.
 
     Example::
