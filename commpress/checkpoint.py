@@ -236,7 +236,40 @@ def load_state(path: str, what: str = "commpress state") -> dict[str, Any]:
     return state
 
 
+class StateFile:
+    """``save(path)`` / ``load(path)`` for a state with ``state_dict`` / ``load_state_dict`` (DDP, FSDP)."""
+
+    __slots__ = ()
+    #: names the state in load errors
+    file_what = "commpress state"
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state to save (the class defines it)."""
+        raise NotImplementedError
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Validate and restore ``state`` (the class defines it)."""
+        raise NotImplementedError
+
+    def save(self, path: str) -> None:
+        """Write :meth:`state_dict` to ``path`` (one file per rank): sha256 digest, private atomic write.
+
+        The file is created through a fresh ``mkstemp`` name with mode 0600 and renamed over
+        ``path`` (a symlink there is replaced, never followed).
+        """
+        save_state(path, self.state_dict())
+
+    def load(self, path: str) -> None:
+        """Restore a file :meth:`save` wrote, all or nothing.
+
+        Refuses a symlink, checks the digest (a flipped byte or a truncated file raises
+        :class:`CheckpointError`), then :meth:`load_state_dict` validates every value; the state
+        changes only if all of it passes.
+        """
+        self.load_state_dict(load_state(path, self.file_what))
+
+
 __all__ = [
-    "HEADER_NBYTES", "MAX_ABS", "PS_MAGIC", "STATE_FILE_FORMAT", "STATE_MAGIC", "CheckpointError", "decode",
+    "HEADER_NBYTES", "MAX_ABS", "PS_MAGIC", "STATE_FILE_FORMAT", "STATE_MAGIC", "CheckpointError", "StateFile", "decode",
     "encode", "frame", "load_state", "read_file", "read_regular", "save_state", "validate", "write_file", "write_private",
 ]

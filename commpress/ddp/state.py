@@ -47,7 +47,7 @@ VERIFY_TIMEOUT_S = 60
 logger = logging.getLogger("commpress")
 
 
-class CompressionState:
+class CompressionState(checkpoint.StateFile):
     """State of the commpress DDP communication hook (one per DDP model and rank).
 
     Args:
@@ -117,6 +117,7 @@ class CompressionState:
         ddp_model.register_comm_hook(state, commpress.ddp.hook)
     """
 
+    file_what = "commpress DDP state"
     __slots__ = (
         "process_group", "world_size", "rank", "codec", "algorithm", "error_feedback",
         "warmup_steps", "warmup_codec", "seed", "step", "plans", "plans_by_id", "feedback", "server_feedback",
@@ -659,23 +660,6 @@ class CompressionState:
         self.step, self.seed = step, seed
         self._stats.load(stats.as_dict())  # in place: the collectives hold this object
         self._stats_from_step = stats_from
-
-    def save(self, path: str) -> None:
-        """Write :meth:`state_dict` to ``path`` (one file per rank): sha256 digest, private atomic write.
-
-        The file (:mod:`commpress.checkpoint`) is created through a fresh ``mkstemp`` name with
-        mode 0600 and renamed over ``path`` (a symlink there is replaced, never followed).
-        """
-        checkpoint.save_state(path, self.state_dict())
-
-    def load(self, path: str) -> None:
-        """Restore a file :meth:`save` wrote, all or nothing.
-
-        Refuses a symlink, checks the digest (a flipped byte or a truncated file raises
-        :class:`~commpress.checkpoint.CheckpointError`), then :meth:`load_state_dict` validates
-        every value; this state changes only if all of it passes.
-        """
-        self.load_state_dict(checkpoint.load_state(path, "commpress DDP state"))
 
     def __repr__(self) -> str:
         dense = sum(1 for p in self.plans.values() if not p.compressed)

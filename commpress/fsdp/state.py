@@ -105,7 +105,7 @@ class CompressedReduceScatter:
         return f"CompressedReduceScatter({self.plan.name!r}, {self.state.codec!r})"
 
 
-class FSDPCompressionState:
+class FSDPCompressionState(checkpoint.StateFile):
     """State of commpress's reduce-scatter on an FSDP2 model (one per model and rank).
 
     Args:
@@ -125,6 +125,7 @@ class FSDPCompressionState:
         **codec_params: codec parameters when ``codec`` is a name.
     """
 
+    file_what = "commpress FSDP state"
     __slots__ = (
         "codec", "error_feedback", "residual_dtype", "seed", "world_size", "rank", "modules",
         "feedback", "_low", "_stats", "_rule", "_group",
@@ -447,23 +448,6 @@ class FSDPCompressionState:
         for m in self.modules:
             m.calls = int(calls[m.name])
         self.seed = seed
-
-    def save(self, path: str) -> None:
-        """Write :meth:`state_dict` to ``path`` (one file per rank): sha256 digest, private atomic write.
-
-        The file (:mod:`commpress.checkpoint`) is created through a fresh ``mkstemp`` name with
-        mode 0600 and renamed over ``path`` (a symlink there is replaced, never followed).
-        """
-        checkpoint.save_state(path, self.state_dict())
-
-    def load(self, path: str) -> None:
-        """Restore a file :meth:`save` wrote, all or nothing.
-
-        Refuses a symlink, checks the digest (a flipped byte or a truncated file raises
-        :class:`~commpress.checkpoint.CheckpointError`), then :meth:`load_state_dict` validates
-        every value; this state changes only if all of it passes.
-        """
-        self.load_state_dict(checkpoint.load_state(path, "commpress FSDP state"))
 
     def __repr__(self) -> str:
         return (
