@@ -34,8 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         from .bench_kernels import main as bench_main
 
-        bench_main(rest)
-        return 0
+        return bench_main(rest)
     if args.command == "ps":
         from .ps.__main__ import main as ps_main
 

@@ -277,8 +277,8 @@ def available_backends(device: str) -> tuple[list[str], dict[str, str]]:
     return ok, skipped
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Run the kernel benchmark (``commpress bench`` / ``scripts/bench_kernels.py``)."""
+def main(argv: list[str] | None = None) -> int:
+    """Run the kernel benchmark (``commpress bench`` / ``scripts/bench_kernels.py``); return the exit code."""
     parser = argparse.ArgumentParser(prog="commpress bench", description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
@@ -330,14 +330,19 @@ def main(argv: list[str] | None = None) -> None:
     print()
     print("\n".join(goal_lines))
     met = sum(line.startswith("MET") for line in goal_lines)
+    pcts = [r.pct_copy for r in rows if r.pct_copy is not None and r.op != "copy_"]
+    if not pcts:  # e.g. --ops naming nothing that ran
+        print(f"\ncommpress bench: no codec op matched --ops {args.ops} with --backends {args.backends}", file=sys.stderr)
+        return 2
     print(f"\n{met} of {len(goal_lines)} targets met; median % of copy_ over all encode/decode rows: "
-          f"{statistics.median(r.pct_copy for r in rows if r.pct_copy is not None and r.op != 'copy_'):.0f}%")
+          f"{statistics.median(pcts):.0f}%")
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write("\n".join(f"    {h}" for h in header) + "\n\n")
             f.write(table(rows, markdown=True) + "\n\n")
             f.write("\n".join(f"    {line}" for line in goal_lines) + "\n")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
