@@ -95,7 +95,7 @@ def worker_value_blind_gain(rank: int, world: int) -> None:
                                    {"params": biases, "lr": 0.05, **optim}], lr=0.05)
         ddp = make_ddp()
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05, **optim)
-        state = commpress.ddp.register(ddp, "randomk", optimizer=opt, ratio=1.0, min_numel=0)
+        state = commpress.ddp.register(ddp, "randomk", optimizer=opt, ratio=1.0, min_numel=0, warmup_steps=0)
         for step in range(6):
             train_step(ref, ref_opt, rank, step)
             train_step(ddp, opt, rank, step)
@@ -103,6 +103,44 @@ def worker_value_blind_gain(rank: int, world: int) -> None:
         assert_all_ranks(not compressed & set(state.velocity), f"{optim}: a value-blind parameter kept a velocity")
         diff = float((flat_params(ref) - flat_params(ddp)).abs().max())
         assert_all_ranks(diff < 1e-5, f"{optim}: random-k's momentum gain differs from SGD at lr*gain by {diff}")
+
+
+def worker_value_blind_warmup(rank: int, world: int) -> None:
+    """Random-k's dense warm-up steps are SGD momentum with a true velocity; at the first
+    compressed step the velocity's pending displacement (``rule.pending * u``) joins the
+    gain-scaled gradient, and from then on it is SGD at ``lr * gain`` (nothing dropped)."""
+    warm = 3
+    for optim in ({"momentum": 0.9}, {"momentum": 0.9, "nesterov": True}, {"momentum": 0.8, "dampening": 0.5}):
+        rule = commpress.ddp.optim.MomentumRule(optim["momentum"], optim.get("dampening", 0.0), bool(optim.get("nesterov")))
+        ref = make_ddp()
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, **optim)
+        ddp = make_ddp()
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, **optim)
+        state = commpress.ddp.register(ddp, "randomk", optimizer=opt, ratio=1.0, min_numel=0, warmup_steps=warm,
+                                       warmup_codec="dense")
+        for step in range(warm):
+            train_step(ref, ref_opt, rank, step)
+            train_step(ddp, opt, rank, step)
+        diff = float((flat_params(ref) - flat_params(ddp)).abs().max())
+        assert_all_ranks(diff < 1e-5, f"{optim}: random-k's warm-up differs from SGD momentum by {diff}")
+        weights = [p for p in ref.parameters() if p.dim() > 1]
+        biases = [p for p in ref.parameters() if p.dim() <= 1]
+        owed = [ref_opt.state[p]["momentum_buffer"].clone() for p in weights]
+        gain_opt = torch.optim.SGD([{"params": weights, "lr": 0.05 * rule.gain, "momentum": 0.0},
+                                    {"params": biases, "lr": 0.05, **optim}], lr=0.05)
+        for p in biases:
+            gain_opt.state[p]["momentum_buffer"] = ref_opt.state[p]["momentum_buffer"]
+        for step in range(warm, warm + 3):
+            train_step(ref, gain_opt, rank, step)
+            train_step(ddp, opt, rank, step)
+            if step == warm:  # the first compressed step also moves what the velocities still owe
+                with torch.no_grad():
+                    for p, u in zip(weights, owed):
+                        p.sub_(u, alpha=0.05 * rule.pending)
+        compressed = {n for n, p in ddp.module.named_parameters() if p.dim() > 1}
+        assert_all_ranks(not compressed & set(state.velocity), f"{optim}: a value-blind parameter kept a velocity")
+        diff = float((flat_params(ref) - flat_params(ddp)).abs().max())
+        assert_all_ranks(diff < 1e-5, f"{optim}: random-k after its warm-up differs from SGD at lr*gain by {diff}")
 
 
 def worker_checkpoint(rank: int, world: int, phase: str, outdir: str, half: int) -> None:
@@ -208,8 +246,8 @@ def worker_extensions(rank: int, world: int, out: str) -> None:
 
 
 def worker_warmup_codec(rank: int, world: int) -> None:
-    """The warm-up runs dense by default and through the named unbiased codec when asked."""
-    for choice, expect in ((None, None), ("qsgd", "qsgd"), ("qsgd:bits=8", "qsgd")):
+    """The warm-up runs through 8-bit QSGD by default, dense when asked, or through the named codec."""
+    for choice, expect in (("dense", None), (None, "qsgd"), ("qsgd", "qsgd"), ("qsgd:bits=8", "qsgd")):
         ddp = make_ddp()
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
         state = commpress.ddp.register(ddp, "topk", optimizer=opt, ratio=0.01, warmup_codec=choice, warmup_steps=3)
@@ -220,5 +258,7 @@ def worker_warmup_codec(rank: int, world: int) -> None:
         assert_same_across_ranks(ddp, f"warm-up {choice}")
         if choice == "qsgd":  # 4-bit levels + norms: well under a third of the dense bytes
             assert s["bytes_sent"] < s["dense_bytes"] / 3, s
-        elif choice is None:
+        elif choice is None:  # 8-bit levels + norms: under a third of the dense bytes (4 per element)
+            assert s["bytes_sent"] < s["dense_bytes"] / 3, s
+        elif choice == "dense":
             assert s["bytes_sent"] == s["dense_bytes"], s

@@ -83,6 +83,10 @@ def test_value_blind_codecs_apply_momentum_as_a_gain() -> None:
     w.launch(ow.worker_value_blind_gain, 2, timeout=240)
 
 
+def test_value_blind_warmup_keeps_a_velocity_and_hands_it_over() -> None:
+    w.launch(ow.worker_value_blind_warmup, 2, timeout=240)
+
+
 @pytest.mark.parametrize("world", [2])
 def test_compressed_training_tracks_dense_with_the_users_sgd(world: int, tmp_path: Path) -> None:
     """Digits MLP, the user's SGD (momentum 0.9, Nesterov) and AdamW: top-k 1% and sign at defaults."""

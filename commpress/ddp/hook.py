@@ -54,13 +54,13 @@ def _reduce(state: CompressionState, bucket: dist.GradBucket, buffer: torch.Tens
     """Steps 1-4 of :func:`hook` for one bucket; the future its collectives complete."""
     plan = state.bucket_plan(bucket.parameters(), buffer.numel())
     state.before_bucket()
-    if state.momentum_rules:
-        state.apply_momentum(plan, buffer)
     warmup_codec = state.warmup_codec_now()
     dense = warmup_codec is None and state.dense_step()
     option = None
     if state.auto is not None and warmup_codec is None and not dense:
         option = state.auto.choose(plan, bucket.index())
+    if state.momentum_rules:
+        state.apply_momentum(plan, buffer, compressing=warmup_codec is None and not dense and option in (None, "compressed"))
     if warmup_codec is not None:  # warm-up through an unbiased codec: no residuals to keep or flush
         seeds = [state.param_seed(p) for p in plan.params]
         fut = comm.run(

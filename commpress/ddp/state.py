@@ -22,7 +22,8 @@ from ..rng import derive_seed
 from .auto import AutoPolicy
 from .guard import DivergenceGuard
 from .optim import (
-    ADAM_WARMUP_STEPS,
+    DEFAULT_WARMUP_CODEC,
+    DEFAULT_WARMUP_STEPS,
     FrozenVarianceAdam,
     MomentumRule,
     adam_unsupported,
@@ -66,14 +67,24 @@ class CompressionState(checkpoint.StateFile):
             residual grows geometrically; measured, qsgd(bits=4) + error feedback diverged.
             Never applied to none/fp16/bf16 (rounding only).
         warmup_steps: the first ``warmup_steps`` communication steps are plain dense
-            all-reduces (as DGC and 1-bit Adam do), or use ``warmup_codec``.
-        warmup_codec: a codec without error feedback (``"qsgd"``, ``"qsgd:bits=8"``, ``"fp16"``, a
-            :class:`Codec`) for the warm-up steps instead of the dense all-reduce; ``None``
-            (default): dense. Measured with AdamW (``docs/benchmarks.md``): on the 10.8M-parameter
-            byte LM, ``"qsgd"`` (4-bit) took top-k 1% from +2.01% to -0.24% of dense's loss and
-            sign from +1.08% to -0.85%, sign's time to target from 0.61x to 0.30x of dense's; on
-            the 83k-parameter digits MLP it cost sign 4.6 points (8-bit: no loss there, no gain
-            on the LM). Not the default until we know why it helps where it does.
+            all-reduces (as DGC and 1-bit Adam do), or use ``warmup_codec``. ``None`` (default):
+            :data:`~commpress.ddp.optim.DEFAULT_WARMUP_STEPS` (50) where compression needs it,
+            else 0: before Adam's variance freezes (Adam/AdamW passed as ``optimizer``; 0 there
+            is raised to 50 too), and for value-blind codecs with error feedback (random-k),
+            whose residual sends each element ~1/ratio steps late, too late for the first
+            steps' fast-changing gradients (digits MLP, ``SGD(lr=0.1, momentum=0.9)``, random-k
+            1%, seeds 0-3: 89.4 / 96.2 / 92.2 / 94.5% without, 97.2 / 96.7 / 97.0 / 97.5% with
+            50 dense steps; dense 97.7%).
+        warmup_codec: how the warm-up steps are reduced: ``None`` (default): 8-bit QSGD
+            (:data:`~commpress.ddp.optim.DEFAULT_WARMUP_CODEC`, unbiased, no residuals, 4x fewer
+            bytes than the all-reduce); ``"dense"``: DDP's all-reduce; or another codec without
+            error feedback (``"qsgd"`` for 4 bits, ``"fp16"``, a :class:`Codec`). Measured
+            (``docs/benchmarks.md``): with AdamW on the 10.8M-parameter byte LM, 8-bit QSGD
+            instead of dense warm-up steps took top-k 1% from +1.71% to +0.94% of dense's
+            held-out loss and sign from +1.08% to +0.61%; on the digits MLP, AdamW: sign 94.0%
+            vs 94.5%, top-k 95.0% vs 95.2% (dense 96.0%); SGD momentum, random-k 1% seeds 0-3:
+            97.0 / 97.0 / 97.0 / 97.5% vs 97.2 / 96.7 / 97.0 / 97.5% (dense 97.7%). 4-bit QSGD
+            helped the LM more (top-k -0.24%, sign -0.85%) but cost sign 4.6 points on digits.
         min_numel, dense_1d: parameters with fewer elements, or 1-D ones (biases, norms), stay
             dense; ``compress_filter(name, param) -> bool`` replaces this rule.
         process_group: defaults to the DDP model's process group (else the default group).
@@ -132,7 +143,7 @@ class CompressionState(checkpoint.StateFile):
         codec: str | Codec,
         *,
         error_feedback: bool | None = None,
-        warmup_steps: int = 0,
+        warmup_steps: int | None = None,
         warmup_codec: str | Codec | None = None,
         min_numel: int = 1024,
         dense_1d: bool = True,
@@ -161,8 +172,13 @@ class CompressionState(checkpoint.StateFile):
         ):
             if not isinstance(value, bool):
                 raise CodecError(f"{name} must be a bool, got {value!r}")
-        if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
-            raise CodecError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
+        if warmup_steps is None:
+            warmup_steps = DEFAULT_WARMUP_STEPS if self.codec.value_blind and error_feedback else 0
+            if warmup_steps:
+                logger.info("commpress: %d dense warm-up steps before %r compresses (warmup_steps=0 turns them off)",
+                            warmup_steps, self.codec)
+        elif not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
+            raise CodecError(f"warmup_steps must be an int >= 0 or None, got {warmup_steps!r}")
         if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 1 << 64:
             raise CodecError(f"seed must be an int in [0, 2**64), got {seed!r}")
         if not isinstance(momentum, (int, float)) or isinstance(momentum, bool) or not 0.0 <= momentum < 1.0:
@@ -281,8 +297,10 @@ class CompressionState(checkpoint.StateFile):
 
     @staticmethod
     def _warmup_codec(choice: str | Codec | None) -> Codec | None:
-        """Resolve and check a ``warmup_codec``: None, a spec string or a :class:`Codec`."""
+        """Resolve and check a ``warmup_codec`` (None: the default; ``"dense"``: the all-reduce, None here)."""
         if choice is None:
+            choice = DEFAULT_WARMUP_CODEC
+        if choice == "dense":
             return None
         if isinstance(choice, str) and ":" in choice:  # "qsgd:bits=8"
             choice = codecs.from_spec(choice)
@@ -319,15 +337,14 @@ class CompressionState(checkpoint.StateFile):
             raise CodecError("pass either optimizer= (its momentum moves into the hook) or momentum=, not both")
         names = {id(p): n for n, p in module.named_parameters() if n in self.plans}
         self.momentum_rules, buffers = take_over_momentum(optimizer, names)
-        for name, buf in buffers.items():  # e.g. resuming from a dense run's checkpoint
-            if not self._momentum_as_gain(self.plans[name]):  # a gain keeps no velocity
-                self.velocity.setdefault(name, buf.detach().reshape(-1).to(residual_dtype(buf.dtype), copy=True))
+        # e.g. resuming from a dense run's checkpoint (a gain parameter folds it in when it compresses)
+        for name, buf in buffers.items():
+            self.velocity.setdefault(name, buf.detach().reshape(-1).to(residual_dtype(buf.dtype), copy=True))
 
         def resync(*_: Any) -> None:  # after load_state_dict, and before every step (schedulers)
             self.momentum_rules, found = take_over_momentum(optimizer, names)
             for name, buf in found.items():
-                if not self._momentum_as_gain(self.plans[name]):
-                    self.velocity[name] = buf.detach().reshape(-1).to(residual_dtype(buf.dtype), copy=True)
+                self.velocity[name] = buf.detach().reshape(-1).to(residual_dtype(buf.dtype), copy=True)
 
         optimizer.register_load_state_dict_post_hook(resync)
         optimizer.register_step_pre_hook(resync)
@@ -343,8 +360,8 @@ class CompressionState(checkpoint.StateFile):
         if self.momentum:
             raise CodecError("pass either optimizer= (Adam's momentum moves into the hook) or momentum=, not both")
         if self.warmup_steps == 0:
-            self.warmup_steps = ADAM_WARMUP_STEPS
-            logger.info("commpress: %d dense warm-up steps before Adam's variance freezes", ADAM_WARMUP_STEPS)
+            self.warmup_steps = DEFAULT_WARMUP_STEPS
+            logger.info("commpress: %d dense warm-up steps before Adam's variance freezes", DEFAULT_WARMUP_STEPS)
         compressed = {id(p): n for n, p in module.named_parameters() if n in self.plans and self.plans[n].compressed}
         windows = {}  # top-k's sends hold ~1/ratio steps of momentum: widen Adam's bound as much
         if self.codec.sparse and not self.codec.value_blind:
@@ -426,27 +443,35 @@ class CompressionState(checkpoint.StateFile):
             self._bucket_plans[key] = plan
         return plan
 
-    def apply_momentum(self, plan: BucketPlan, buffer: torch.Tensor) -> None:
+    def apply_momentum(self, plan: BucketPlan, buffer: torch.Tensor, compressing: bool = True) -> None:
         """Momentum correction: replace each gradient in ``buffer`` by its local velocity.
 
         A parameter whose gradient is not finite keeps its velocity and its NaN gradient (the
         collectives' non-finite policy then voids the step on every rank).
 
         Compressed parameters of a value-blind codec (random-k) with SGD momentum get the
-        momentum's steady-state gain (:attr:`MomentumRule.gain`) instead: their residual holds
-        each element ~1/ratio steps (100 at ratio 0.01), far longer than momentum 0.9
-        remembers, and a velocity carried across those sends only adds inertia. Measured on the
-        digits MLP (``SGD(lr=0.1, momentum=0.9)``, random-k 1%, 2 ranks): with a velocity 31.5%
-        without the divergence guard and 94.2% with it (100 of 240 steps dense); with the gain
-        96.5% and the guard never fires (dense 97.7%).
+        momentum's steady-state gain (:attr:`MomentumRule.gain`) instead, on the steps that
+        compress them (``compressing``): their residual holds each element ~1/ratio steps (100
+        at ratio 0.01), far longer than momentum 0.9 remembers, and a velocity carried across
+        those sends only adds inertia. Measured on the digits MLP (``SGD(lr=0.1,
+        momentum=0.9)``, random-k 1%, 2 ranks): with a velocity 31.5% without the divergence
+        guard and 94.2% with it (100 of 240 steps dense); with the gain 96.5% and the guard
+        never fires (dense 97.7%). Dense steps (warm-up, the guard's) keep a true velocity: a
+        gain on a dense gradient is plain SGD at 1/(1-m) times the rate, without momentum's
+        smoothing, and diverged there. At the first compressing step after dense ones, what
+        the velocity would still have moved the parameter (:attr:`MomentumRule.pending`) joins
+        the gradient, so error feedback sends it later instead of dropping it.
         """
         for p, off in zip(plan.params, plan.offsets):
             rule = self.momentum_rules.get(p.name)
             g = buffer[off : off + p.numel]
             if rule is None or not all_finite(g):
                 continue
-            if self._momentum_as_gain(p):
+            if compressing and self._momentum_as_gain(p):
                 g.mul_(rule.gain)
+                u = self.velocity.pop(p.name, None)
+                if u is not None:  # leaving a dense phase: nothing the velocity owes is lost
+                    g.add_(u.to(g.dtype), alpha=rule.pending)
                 continue
             u = self.velocity.get(p.name)
             if u is None:  # like torch.optim.SGD: the first velocity is the gradient itself
@@ -460,7 +485,7 @@ class CompressionState(checkpoint.StateFile):
                 g.copy_(u)
 
     def _momentum_as_gain(self, plan: ParamPlan) -> bool:
-        """True when ``plan``'s SGD momentum is applied as a gain, not a velocity (see above)."""
+        """True when ``plan``'s SGD momentum is a gain, not a velocity, on compressing steps (see above)."""
         return plan.compressed and self.codec.value_blind and self.adam is None
 
     def mask_momentum(self, plan: BucketPlan) -> None:
