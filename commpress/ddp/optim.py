@@ -181,6 +181,7 @@ class FrozenVarianceAdam:
         self.active = False
         self._hidden: dict[torch.Tensor, torch.Tensor] = {}
         self._scratch: dict[torch.Tensor, torch.Tensor] = {}
+        self._denominators: dict[torch.Tensor, tuple[torch.Tensor, tuple[Any, ...], torch.Tensor]] = {}
         optimizer.register_step_pre_hook(self._pre_step)
         optimizer.register_step_post_hook(self._post_step)
 
@@ -225,9 +226,7 @@ class FrozenVarianceAdam:
                     update = self._scratch.get(p)
                     if update is None:
                         update = self._scratch[p] = torch.empty_like(st["exp_avg_sq"])
-                    torch.sqrt(st["exp_avg_sq"], out=update)
-                    update.div_(math.sqrt(1.0 - b2**self.freeze_step)).add_(eps)
-                    torch.div(st["exp_avg"], update, out=update)
+                    torch.div(st["exp_avg"], self._denominator(p, st["exp_avg_sq"], b2, eps), out=update)
                     update.div_(1.0 - b1**step)
                     # Adam's own update never exceeds (1-b1)/sqrt(1-b2) per coordinate; a compressed
                     # momentum can (sign gives +-scale where v froze near 0): hold it to Adam's bound
@@ -238,6 +237,20 @@ class FrozenVarianceAdam:
                     p.add_(update, alpha=-lr)
                 self._hidden[p] = p.grad
                 p.grad = None
+
+    def _denominator(self, p: torch.Tensor, v: torch.Tensor, b2: float, eps: float) -> torch.Tensor:
+        """Adam's ``sqrt(v / (1 - b2**t_freeze)) + eps``, computed once while ``v`` stays frozen.
+
+        Cached per parameter with ``v`` itself and its version counter, so a
+        ``load_state_dict`` (a new tensor) or any in-place change of ``v`` recomputes it;
+        saves two passes over the parameter per step for one more parameter-sized buffer.
+        """
+        key = (v._version, self.freeze_step, b2, eps)
+        cached = self._denominators.get(p)
+        if cached is None or cached[0] is not v or cached[1] != key:
+            denom = torch.sqrt(v).div_(math.sqrt(1.0 - b2**self.freeze_step)).add_(eps)
+            cached = self._denominators[p] = (v, key, denom)
+        return cached[2]
 
     def _post_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         for p, grad in self._hidden.items():
