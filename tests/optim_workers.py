@@ -143,6 +143,33 @@ def worker_value_blind_warmup(rank: int, world: int) -> None:
         assert_all_ranks(diff < 1e-5, f"{optim}: random-k after its warm-up differs from SGD at lr*gain by {diff}")
 
 
+def worker_momentum_masking(rank: int, world: int) -> None:
+    """DGC's masking zeroes the velocity exactly at the entries just sent (where the residual was
+    emptied), and nowhere else: top-k with SGD momentum, random-k through Adam's compressed momentum."""
+    cases = (
+        ("topk", {"ratio": 0.05, "momentum_masking": True}, lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)),
+        ("randomk", {"ratio": 0.05, "warmup_steps": 2}, lambda ps: torch.optim.AdamW(ps, lr=1e-3)),
+    )
+    for codec, opts, make_opt in cases:
+        ddp = make_ddp()
+        opt = make_opt(ddp.parameters())
+        state = commpress.ddp.register(ddp, codec, optimizer=opt, min_numel=0, **opts)
+        assert state.momentum_masking, codec
+        for step in range(4):
+            train_step(ddp, opt, rank, step)
+            checked = 0
+            for name, p in ddp.module.named_parameters():
+                u, e = state.velocity.get(name), state.feedback.residual(name)
+                if p.dim() < 2 or u is None or e is None:
+                    continue
+                zero_u, emptied = u == 0, e.reshape(-1) == 0
+                assert bool(emptied.any()), (codec, name)
+                assert torch.equal(zero_u, emptied), f"{codec} step {step} {name}: velocity zero at " \
+                    f"{int(zero_u.sum())} entries, residual emptied at {int(emptied.sum())}"
+                checked += 1
+            assert checked or step < 2, (codec, step)  # Adam's compressed momentum starts after warm-up
+
+
 def worker_checkpoint(rank: int, world: int, phase: str, outdir: str, half: int) -> None:
     """SGD with Nesterov, then AdamW (its compressed-momentum phase), through one checkpoint each."""
     _checkpoint_case(rank, phase, outdir, half, "sgd",

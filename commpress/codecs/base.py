@@ -365,6 +365,10 @@ class Codec(ABC):
     #: ``values`` section carries, and the residual is exactly zero where a value was sent.
     sparse: ClassVar[bool] = False
 
+    def sent_indices(self, packet: Packet) -> torch.Tensor | None:
+        """The flat indices ``packet`` carries values for (int64), or None when it covers all of them."""
+        return None
+
     def _subtract_decoded(self, packet: Packet, corrected: torch.Tensor) -> None:
         """``corrected -= decode(packet)`` in ``corrected``'s dtype: the residual update.
 

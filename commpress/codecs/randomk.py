@@ -86,6 +86,10 @@ class RandomKCodec(Codec):
         """The k values (their indices follow from the seed, the same on every rank)."""
         return packet.sections["values"]
 
+    def sent_indices(self, packet: Packet) -> torch.Tensor:
+        """The indices of the packet's seed (drawn again: the wire carries none)."""
+        return random_indices(packet.seed, packet.numel, packet.params[0], packet.sections["values"].device)
+
     def packet_from_values(self, values: torch.Tensor, numel: int, dtype: torch.dtype, seed: int) -> Packet:
         """A packet holding summed ``values`` at the indices of ``seed``."""
         return Packet(self.name, dtype, numel, self.wire_params(numel), seed, {"values": values})

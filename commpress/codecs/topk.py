@@ -94,6 +94,10 @@ class TopKCodec(Codec):
 
     sparse = True
 
+    def sent_indices(self, packet: Packet) -> torch.Tensor:
+        """The packet's ``indices`` section (int64)."""
+        return packet.sections["indices"].long()
+
     def _decode_add(self, packet: Packet, out: torch.Tensor) -> None:
         ops.sparse_scatter_add([packet.sections["indices"]], [packet.sections["values"]], out)
 

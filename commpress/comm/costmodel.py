@@ -376,9 +376,13 @@ def calibrate_device(
 
     cast_t = _median_time(cast, reps)
     mask_t = 0.0
-    if masking:
+    if masking:  # as the hook masks: the sent entries of a sparse codec, else a residual scan
         u = flat.clone()
-        mask_t = _median_time(lambda: u.masked_fill_(acc == 0, 0.0), reps)
+        sent = codec.sent_indices(packet) if packet is not None else None
+        if sent is not None:
+            mask_t = _median_time(lambda: u.index_fill_(0, sent, 0.0), reps)
+        else:
+            mask_t = _median_time(lambda: u.masked_fill_(acc == 0, 0.0), reps)
     values = _max_over_ranks([enc / m, dec / m, pass_t / m, cast_t / m, mask_t / m], group, device)
     return DeviceCost(*values)
 

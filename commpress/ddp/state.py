@@ -494,15 +494,26 @@ class CompressionState(checkpoint.StateFile):
         return plan.compressed and self.codec.value_blind and self.adam is None
 
     def mask_momentum(self, plan: BucketPlan) -> None:
-        """DGC's momentum factor masking: zero the velocity where the residual is exactly 0."""
+        """DGC's momentum factor masking: zero the velocity of the entries just sent.
+
+        Sparse codecs name them (top-k's indices, random-k's seed): k entries touched. Others
+        mask where the residual is exactly 0 (a full scan of the residual).
+        """
         if not self.momentum_masking or self.feedback is None:
             return
         for p in plan.params:
             u = self.velocity.get(p.name)
             if u is None or not p.compressed:
                 continue
-            for lo, hi, e in self._residual_pieces(p):
-                u[lo:hi].masked_fill_(e.reshape(-1) == 0, 0.0)  # piece by piece: no concatenated copy
+            for piece in comm.get(self.algorithm).residual_layout(p.name, p.shape, self.codec, self.world_size):
+                if self.codec.sparse:
+                    sent = self.feedback.take_sent(piece.key)
+                    if sent is not None:
+                        u[piece.lo : piece.hi].index_fill_(0, sent, 0.0)
+                    continue
+                e = self.feedback.residual(piece.key)
+                if e is not None:  # a codec without indices: where the residual was emptied
+                    u[piece.lo : piece.hi].masked_fill_(e.reshape(-1) == 0, 0.0)
 
     def _residual_pieces(self, plan: ParamPlan) -> list[tuple[int, int, torch.Tensor]]:
         """``(start, stop, residual)`` of each piece of a parameter's flat residual."""
