@@ -14,8 +14,13 @@ by a shard boundary keeps its pieces compressed only while each is big enough.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import torch
+
+#: ``compress_filter(name, parameter) -> bool``: True to compress the parameter (DDP and FSDP).
+CompressFilter = Callable[[str, torch.nn.Parameter], bool]
 
 #: DDP's default ``min_numel`` (``CompressionState``); the parameter server's ``min_compress``
 #: option is the same threshold with its own default.
@@ -53,4 +58,4 @@ def compress(name: str, shape: Sequence[int], numel: int | None = None, *,
     return SelectionRule(min_numel, dense_1d)(name, shape, numel)
 
 
-__all__ = ["DEFAULT_MIN_NUMEL", "SelectionRule", "compress"]
+__all__ = ["DEFAULT_MIN_NUMEL", "CompressFilter", "SelectionRule", "compress"]

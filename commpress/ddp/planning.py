@@ -11,7 +11,7 @@ buckets after the first step.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,10 +20,7 @@ from ..codecs import Codec, NoneCodec
 from ..comm import Algorithm, Slot
 from ..errors import CodecError
 from ..feedback import ErrorFeedback
-from ..selection import SelectionRule
-
-#: ``compress_filter(name, parameter) -> bool``: True to compress the parameter.
-CompressFilter = Callable[[str, torch.nn.Parameter], bool]
+from ..selection import CompressFilter, SelectionRule
 
 
 @dataclass(frozen=True)

@@ -370,7 +370,7 @@ class CompressionState(checkpoint.StateFile):
         compressed = {id(p): n for n, p in module.named_parameters() if n in self.plans and self.plans[n].compressed}
         windows = {}  # top-k's sends hold ~1/ratio steps of momentum: widen Adam's bound as much
         if self.codec.sparse and not self.codec.value_blind:
-            for n, p in module.named_parameters():
+            for p in module.parameters():
                 delta = self.codec.delta(p.numel()) if id(p) in compressed else None
                 if delta:
                     windows[id(p)] = 1.0 / delta

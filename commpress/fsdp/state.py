@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +41,7 @@ from ..comm.reducescatter import reduce_scatter
 from ..errors import CodecError, ConfigurationError
 from ..feedback import MAX_PLAUSIBLE_ABS, ErrorFeedback, check_state_header
 from ..rng import derive_seed
-from ..selection import DEFAULT_MIN_NUMEL, SelectionRule
+from ..selection import DEFAULT_MIN_NUMEL, CompressFilter, SelectionRule
 
 STATE_FORMAT = 1
 VERIFY_TIMEOUT_S = 60
@@ -49,9 +49,6 @@ logger = logging.getLogger("commpress")
 
 #: Residual dtypes on offer: float32 (exact error feedback) or bfloat16 (half the memory).
 RESIDUAL_DTYPES = (torch.float32, torch.bfloat16)
-
-#: ``compress_filter(name, parameter) -> bool``: True to compress the parameter.
-CompressFilter = Callable[[str, torch.nn.Parameter], bool]
 
 
 @dataclass(frozen=True)
