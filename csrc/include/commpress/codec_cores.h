@@ -64,17 +64,35 @@ COMMPRESS_HD CT sign_value(bool negative, CT scale) {
 }
 
 // ----- qsgd ------------------------------------------------------------------------------
-// Level in [0, s] of |w| in a bucket of norm `norm` with uniform u:
-//   a = |w| / norm (0 when norm == 0), t = a * s, l = floor(t) + [u < t - floor(t)], min(l, s).
+// Stochastic rounding in 24-bit fixed point (commpress/codecs/qsgd.py), per bucket of norm n:
+//   p = 2**64 if n < 2**-64 else 1,  r = (s * 2**24) / (n * p)  (0 when n == 0),
+// then per element T = floor((|w| * p) * r), level = min((T + v) >> 24, s), v the element's
+// 24-bit uniform (rng_u24_paired). |w| * p is exact; each product is rounded on its own.
+constexpr int kQsgdFractionBits = 24;
+
 template <class CT>
-COMMPRESS_HD int qsgd_level(CT absw, CT norm, CT s, CT u) {
-  const CT a = norm > CT(0) ? absw / norm : CT(0);
-  const CT t = mul_rn(a, s);
-  // t is finite and in [0, s * (1 + eps)], so truncation is floor (and vectorises on every ISA).
-  const CT fl = static_cast<CT>(static_cast<int>(t));
-  CT level = fl + (u < t - fl ? CT(1) : CT(0));
-  level = level < s ? level : s;
-  return static_cast<int>(level);
+struct QsgdScale {
+  CT p;  // exact power-of-two pre-scale: 1, or 2**64 for buckets whose r would overflow
+  CT r;  // (s * 2**24) / (n * p), correctly rounded; 0 for an all-zero bucket
+
+  COMMPRESS_HD QsgdScale(CT norm, int s) {
+    p = norm < CT(0x1p-64) ? CT(0x1p64) : CT(1);
+    r = norm > CT(0) ? static_cast<CT>(static_cast<int64_t>(s) << kQsgdFractionBits) / mul_rn(norm, p)
+                     : CT(0);
+  }
+};
+
+// T = floor((|w| * p) * r): |w| <= n makes it at most s * 2**24 * (1 + 2**-22) < 2**31, so
+// truncation to uint32 is the floor (and vectorises on every ISA).
+template <class CT>
+COMMPRESS_HD uint32_t qsgd_fixed(CT absw, QsgdScale<CT> sc) {
+  return static_cast<uint32_t>(mul_rn(mul_rn(absw, sc.p), sc.r));
+}
+
+// Level in [0, s]: floor(T / 2**24) plus one with probability (T mod 2**24) / 2**24.
+COMMPRESS_HD int qsgd_round(uint32_t fixed, uint32_t v, int s) {
+  const int level = static_cast<int>((fixed + v) >> kQsgdFractionBits);
+  return level < s ? level : s;
 }
 
 // Field written for w: signed level + s, in [0, 2s].
