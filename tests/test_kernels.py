@@ -173,20 +173,21 @@ def test_qsgd_encode_decode(backend: str, dtype: torch.dtype) -> None:
 
 
 def test_paired_u24_are_the_halves_of_the_draws() -> None:
-    """QSGD's uniforms: the top 24 bits of the low, then the high, 32-bit half of each draw."""
+    """QSGD's uniforms: the low 24 bits of the low, then the high, 32-bit half of each draw."""
     draws = [int(r) for r in rng.random_u64(77, rng.STREAM_QSGD, 0, 3)]
-    want = [(r >> shift & 0xFFFFFFFF) >> 8 for r in draws for shift in (0, 32)]
+    want = [(r >> shift) & 0xFFFFFF for r in draws for shift in (0, 32)]
     assert [int(v) for v in rng.paired_u24(77, rng.STREAM_QSGD, 5)] == want[:5]
     assert rng.paired_u24(77, rng.STREAM_QSGD, 0).size == 0
 
 
 def test_qsgd_fixed_point_rounding_is_exact() -> None:
-    """E[level] = T / 2**24 exactly: (T + v) >> 24 rounds up for exactly T mod 2**24 of the v."""
+    """E[q] = T / 2**24 exactly: floor((T + v) / 2**24) rounds up for T mod 2**24 of the 2**24 v."""
     s = 7
-    for fixed in (0, 1, (3 << 24) + 12345, (s << 24) - 1, s << 24):
-        v = torch.arange(0, 1 << 24, 4096, dtype=torch.int64)  # a uniform grid over [0, 2**24)
-        levels = torch.clamp((fixed + v) >> qsgd_mod.FRACTION_BITS, max=s)
-        grid_mean = float(levels.double().mean())
+    v = torch.arange(0, 1 << 24, 4096, dtype=torch.int64)  # a uniform grid over [0, 2**24)
+    for fixed in (0, 1, -1, (3 << 24) + 12345, -(3 << 24) - 12345, (s << 24) - 1, -(s << 24) + 1):
+        fields = ((fixed + v) >> qsgd_mod.FRACTION_BITS) + s
+        assert 0 <= int(fields.min()) and int(fields.max()) <= 2 * s
+        grid_mean = float((fields - s).double().mean())
         assert abs(grid_mean - fixed / 2**24) <= 4096 / 2**24, fixed
 
 

@@ -291,17 +291,16 @@ def qsgd_encode(x, e, has_e, mode, wide, bits, s, bucket, key, limit, norms, pac
             nb = norms[b]
             # fixed-point scale of the bucket (commpress.codecs.qsgd): p exact, r one division
             p = ft(2.0**64) if nb < 2.0**-64 else ft(1.0)
-            r = ft(np.float64(s) * 2.0**24 / np.float64(ft(nb * p))) if nb > 0 else ft(0.0)
+            r = ft(np.float64(ft(s * (2.0**24 - 4.0))) / np.float64(ft(nb * p))) if nb > 0 else ft(0.0)
             if has_e:
                 for f in range(dec.size):
                     dec[f] = _round(np.float64(nb * lv[f]), mode)
         w = _w(x, e, i, has_e, mode)
-        fixed = np.int64(ft(ft(abs(w) * p) * r))  # >= 0 and < 2**31: truncation is floor
+        fixed = np.int64(math.floor(ft(ft(w * p) * r)))  # |fixed| < s * 2**24
         if i == edge - bucket or (i & 1) == 0:
             draw = _draw(key, i >> 1)  # two 24-bit uniforms per draw (rng.paired_u24)
-        v = np.int64(((draw >> np.uint64(32 * (i & 1))) & np.uint64(0xFFFFFFFF)) >> np.uint64(8))
-        level = min((fixed + v) >> 24, top)
-        field = (-level if w < 0 else level) + top
+        v = np.int64((draw >> np.uint64(32 * (i & 1))) & np.uint64(0xFFFFFF))
+        field = ((fixed + v) >> 24) + top  # floor((T + v) / 2**24) + s
         shift = (i * bits) & 7
         acc |= field << shift
         if shift + bits == 8:

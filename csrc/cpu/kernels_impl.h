@@ -134,8 +134,11 @@ inline __m512i mix64_x8(__m512i z) {
 }
 
 // rng_u24_paired of the 16 elements whose 8 draws have the Weyl states (key + (j + 1) * golden)
-// in z: the 32-bit lanes of the draws are the elements' halves in order (little-endian).
-inline __m512i u24_paired_x16(__m512i z) { return _mm512_srli_epi32(mix64_x8(z), 8); }
+// in z, OR-ed with `offset` (bits 24 and up): the 32-bit lanes of the draws are the elements'
+// halves in order (little-endian), so this is one ternary-logic op after the hash.
+inline __m512i u24_paired_x16(__m512i z, __m512i offset) {
+  return _mm512_ternarylogic_epi32(mix64_x8(z), _mm512_set1_epi32(0xFFFFFF), offset, 0xEA);  // (a & b) | c
+}
 
 // Packs 16 fields (int32 lanes, each < 2**Bits) LSB-first into 2 * Bits bytes.
 template <int Bits>
@@ -187,6 +190,7 @@ struct QsgdF32 {
   float* __restrict__ e;
   const float* ratio16;
   __m512i vs;     // s in every lane
+  __m512i offset; // s * 2**24 in every lane (qsgd_offset)
   __m512 vnorm;   // n
   __m512 vp;      // QsgdScale::p
   __m512 vr;      // QsgdScale::r
@@ -196,17 +200,13 @@ struct QsgdF32 {
   // Fields of elements [i, i + 16) (their draws are z's); with a residual, updates it.
   inline __m512i fields16(int64_t i) {
     const __m512 c = load_c16(x, e, i, HasE);
-    __m512 a = _mm512_abs_ps(c);
-    if (tiny) {
-      a = _mm512_mul_ps(a, vp);
-    }
-    const __m512i fixed = _mm512_cvttps_epi32(_mm512_mul_ps(a, vr));
-    const __m512i v = u24_paired_x16(z);
+    const __m512 w = tiny ? _mm512_mul_ps(c, vp) : c;
+    // floor by the conversion's own rounding mode (exact, like the scalar floor)
+    const __m512i fixed = _mm512_cvt_roundps_epi32(_mm512_mul_ps(w, vr),
+                                                   _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512i v = u24_paired_x16(z, offset);
     z = _mm512_add_epi64(z, _mm512_set1_epi64(static_cast<int64_t>(8 * kGolden)));
-    const __m512i level =
-        _mm512_min_epi32(_mm512_srli_epi32(_mm512_add_epi32(fixed, v), kQsgdFractionBits), vs);
-    const __mmask16 ng = _mm512_cmp_ps_mask(c, _mm512_setzero_ps(), _CMP_LT_OQ);
-    const __m512i f = _mm512_mask_sub_epi32(_mm512_add_epi32(vs, level), ng, vs, level);
+    const __m512i f = _mm512_srli_epi32(_mm512_add_epi32(fixed, v), kQsgdFractionBits);
     if constexpr (HasE) {
       // ratio (f - s) / s: a 16-entry table lookup for fields of 2 and 4 bits
       const __m512 ratio =
@@ -235,6 +235,7 @@ inline int64_t qsgd_encode_f32(const float* __restrict__ x, float* __restrict__ 
                         e,
                         ratio16,
                         _mm512_set1_epi32(levels),
+                        _mm512_set1_epi32(static_cast<int>(qsgd_offset(levels))),
                         _mm512_set1_ps(norm),
                         _mm512_set1_ps(sc.p),
                         _mm512_set1_ps(sc.r),
@@ -562,9 +563,7 @@ COMMPRESS_HD void qsgd_elems(const T* __restrict__ x, CT<T>* __restrict__ e, CT<
   for (int64_t i = s; i < end; ++i) {
     const Corrected<T, HasE> v(x[i], e, i);
     const uint32_t u = rng_u24_paired(key, static_cast<uint64_t>(i));
-    const bool ng = v.w < CT<T>(0);
-    const int level = qsgd_round(qsgd_fixed(fabs_(v.w), sc), u, levels);
-    const uint32_t f = qsgd_field(ng, level, levels);
+    const uint32_t f = qsgd_fixed_field(v.w, sc, u, levels);
     tile[i] = static_cast<uint8_t>(f);
     if constexpr (HasE) {
       e[i] = v.c - decoded_value<T>(qsgd_value(norm, ratio[f]));

@@ -67,8 +67,7 @@ __global__ void qsgd_encode_kernel(const T* __restrict__ x, typename Elem<T>::co
       const Corrected<T, HasE> v(x[i], e, i);
       const CT norm = norms[b];
       const uint32_t u = rng_u24_paired(key, static_cast<uint64_t>(i));
-      const int level = qsgd_round(qsgd_fixed(fabs(v.w), QsgdScale<CT>(norm, levels)), u, levels);
-      field = qsgd_field(v.w < CT(0), level, levels);
+      field = qsgd_fixed_field(v.w, QsgdScale<CT>(norm, levels), u, levels);
       if constexpr (HasE) {
         e[i] = v.c - decoded_value<T>(qsgd_value(norm, qsgd_ratio<CT>(field, levels)));
       }
