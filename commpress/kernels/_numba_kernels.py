@@ -298,9 +298,9 @@ def qsgd_encode(x, e, has_e, mode, wide, bits, s, bucket, key, limit, norms, pac
         w = _w(x, e, i, has_e, mode)
         fixed = np.int64(math.floor(ft(ft(w * p) * r)))  # |fixed| < s * 2**24
         if i == edge - bucket or (i & 1) == 0:
-            draw = _draw(key, i >> 1)  # two 24-bit uniforms per draw (rng.paired_u24)
-        v = np.int64((draw >> np.uint64(32 * (i & 1))) & np.uint64(0xFFFFFF))
-        field = ((fixed + v) >> 24) + top  # floor((T + v) / 2**24) + s
+            draw = np.uint64(_draw(key, i >> 1))  # two 24-bit uniforms per draw (rng.paired_u24)
+        u24 = np.int64((draw >> np.uint64(32 * (i & 1))) & np.uint64(0xFFFFFF))
+        field = ((fixed + u24) >> 24) + top  # floor((T + v) / 2**24) + s
         shift = (i * bits) & 7
         acc |= field << shift
         if shift + bits == 8:

@@ -181,6 +181,24 @@ inline __m512i load_fields16(const uint8_t* __restrict__ p) {
   }
 }
 
+// Packs 32 fields (f0: fields 0..15, f1: 16..31, int32 lanes < 2**Bits) into 4 * Bits bytes.
+template <int Bits>
+inline void store_fields32(__m512i f0, __m512i f1, uint8_t* __restrict__ out) {
+  if constexpr (Bits == 4) {
+    // packus: 128-bit lane L holds the words f0[4L..4L+3], f1[4L..4L+3]; madd joins adjacent
+    // words into w0 + 16 * w1 = one packed byte per dword, which vpmovdb narrows and one
+    // in-register shuffle puts in element order (lane L gave bytes 2L, 2L+1, 8+2L, 9+2L).
+    const __m512i pairs =
+        _mm512_madd_epi16(_mm512_packus_epi32(f0, f1), _mm512_set1_epi32(0x00100001));
+    const __m128i order = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out),
+                     _mm_shuffle_epi8(_mm512_cvtepi32_epi8(pairs), order));
+  } else {
+    store_fields16<Bits>(f0, out);
+    store_fields16<Bits>(f1, out + 2 * Bits);
+  }
+}
+
 // The QSGD encode of one bucket segment on 16 float32 lanes: the same operations as
 // qsgd_elems (fixed point, paired 24-bit uniforms), checked bit for bit by the ISA loop of
 // tests/test_kernels.py.
@@ -243,11 +261,18 @@ inline int64_t qsgd_encode_f32(const float* __restrict__ x, float* __restrict__ 
                         _mm512_load_si512(start)};
   const int64_t prefetch_end = ahead > 0 ? n - ahead : 0;
   int64_t i = s;
-  for (; i + 16 <= end; i += 16) {
+  for (; i + 32 <= end; i += 32) {
     if (i < prefetch_end) {
       _mm_prefetch(reinterpret_cast<const char*>(x + i + ahead), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(x + i + 16 + ahead), _MM_HINT_T1);
     }
+    const __m512i f0 = k.fields16(i);
+    const __m512i f1 = k.fields16(i + 16);
+    store_fields32<Bits>(f0, f1, packed + i / 8 * Bits);
+  }
+  if (i + 16 <= end) {
     store_fields16<Bits>(k.fields16(i), packed + i / 8 * Bits);
+    i += 16;
   }
   return i;
 }
