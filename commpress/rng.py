@@ -13,6 +13,9 @@ a Weyl sequence, which passes BigCrush as a counter-mode generator:
               return z ^ z >> 31
 
 A uniform float in [0, 1) is ``(r >> 40) * 2**-24``: exactly representable in float32.
+Where one draw per element is the cost (QSGD's encode), :func:`paired_u24` takes two 24-bit
+uniform integers from each draw instead: ``v_{2j} = r_j mod 2**24`` and
+``v_{2j+1} = (r_j >> 32) mod 2**24`` (the low 24 bits of the low and of the high 32-bit half).
 
 Seeds themselves are derived here too, once for the whole package: :func:`derive_seed` chains
 ``mix64`` over ``(base, part_1, part_2, ...)`` (step, parameter, rank, phase, shard...), so
@@ -93,6 +96,23 @@ def uniform_f32(seed: int, stream: int, count: int) -> torch.Tensor:
     """Return ``count`` float32 uniforms in [0, 1): ``(r_i >> 40) * 2**-24`` for i < count."""
     r = random_u64(seed, stream, 0, count) >> np.uint64(40)
     return torch.from_numpy((r.astype(np.float32) * np.float32(2.0**-24)).astype(np.float32))
+
+
+def paired_u24(seed: int, stream: int, count: int) -> np.ndarray:
+    """Return ``count`` 24-bit uniform integers, two per 64-bit draw, as a uint32 array.
+
+    ``v_i = (r_{i // 2} >> (32 * (i % 2))) mod 2**24``: element 2j takes the low 24 bits of the
+    low half of ``r_j``, element 2j + 1 those of the high half (disjoint bits of one SplitMix64
+    output, whose every bit is usable). Each ``v_i`` is uniform on [0, 2**24); the pair shares
+    one hash, which halves the hashing cost of a per-element draw. Seen as 32-bit lanes in
+    little-endian order the draws ``r_j`` are the halves ``h_i``, and ``v_i = h_i & 0xFFFFFF``:
+    one logic op per lane in SIMD and GPU kernels.
+    """
+    r = random_u64(seed, stream, 0, (count + 1) // 2)
+    halves = np.empty(2 * r.size, dtype=np.uint32)
+    halves[0::2] = (r & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    halves[1::2] = (r >> np.uint64(32)).astype(np.uint32)
+    return halves[:count] & np.uint32(0xFFFFFF)
 
 
 def below(seed: int, stream: int, bounds: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from commpress import CodecError, ErrorFeedback, codecs, wire
+from commpress import CodecError, ErrorFeedback, codecs, rng, wire
 from commpress.codecs import qsgd as qsgd_mod
 from commpress.codecs import randomk as randomk_mod
 from commpress.codecs import sign as sign_mod
@@ -170,6 +170,53 @@ def test_qsgd_encode_decode(backend: str, dtype: torch.dtype) -> None:
                     (outd,) = on(backend, out)
                     backend.ops.qsgd_decode(*on(backend, *want), bits, levels, bucket, outd, acc)
                     assert same_bits(outd, out_ref), f"qsgd_decode accumulate={acc} {case}"
+
+
+def test_paired_u24_are_the_halves_of_the_draws() -> None:
+    """QSGD's uniforms: the low 24 bits of the low, then the high, 32-bit half of each draw."""
+    draws = [int(r) for r in rng.random_u64(77, rng.STREAM_QSGD, 0, 3)]
+    want = [(r >> shift) & 0xFFFFFF for r in draws for shift in (0, 32)]
+    assert [int(v) for v in rng.paired_u24(77, rng.STREAM_QSGD, 5)] == want[:5]
+    assert rng.paired_u24(77, rng.STREAM_QSGD, 0).size == 0
+
+
+def test_qsgd_fixed_point_rounding_is_exact() -> None:
+    """E[q] = T / 2**24 exactly: floor((T + v) / 2**24) rounds up for T mod 2**24 of the 2**24 v."""
+    s = 7
+    v = torch.arange(0, 1 << 24, 4096, dtype=torch.int64)  # a uniform grid over [0, 2**24)
+    for fixed in (0, 1, -1, (3 << 24) + 12345, -(3 << 24) - 12345, (s << 24) - 1, -(s << 24) + 1):
+        fields = ((fixed + v) >> qsgd_mod.FRACTION_BITS) + s
+        assert 0 <= int(fields.min()) and int(fields.max()) <= 2 * s
+        grid_mean = float((fields - s).double().mean())
+        assert abs(grid_mean - fixed / 2**24) <= 4096 / 2**24, fixed
+
+
+# Bucket scales that exercise every branch of the fixed-point encode: an all-zero bucket (r = 0),
+# norms below 2**-64 (the exact 2**64 pre-scale) and subnormal input, norms just around 2**-64,
+# ordinary and huge buckets, and a bucket with one non-zero element (|x| = n: t = s, the clamp).
+QSGD_SCALES = [0.0, 1e-42, 1e-30, 2.0**-64, 2.0**-63, 1.0, 1e30]
+
+
+@parametrize_all_backends
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qsgd_encode_extreme_buckets(backend: str, dtype: torch.dtype) -> None:
+    for bucket in (64, 48, 7):  # 48: a 16-lane step after the 32-lane loop
+        parts = [sample(bucket, torch.float64, seed=k) / 3 * sc for k, sc in enumerate(QSGD_SCALES)]
+        single = torch.zeros(bucket, dtype=torch.float64)
+        single[bucket // 2] = -2.5
+        x = torch.cat([*parts, single, sample(bucket + 5, torch.float64, seed=99)])
+        x = x.clamp(-1e3, 1e3).to(dtype) if dtype in (torch.float16, torch.bfloat16) else x.to(dtype)
+        for bits, levels in ((2, 1), (4, 7), (8, 127)):
+            for with_e in (False, True):
+                case = f"bucket={bucket} bits={bits} residual={with_e} {dtype}"
+                e = residual_for(x, bucket) * 1e-30 if with_e else None
+                e_ref = None if e is None else e.clone()
+                want = qsgd_mod.encode_reference(x, bits, levels, bucket, 12345, e_ref)
+                xd, ed = on(backend, x, e)
+                got = backend.ops.qsgd_encode(xd, ed, bits, levels, bucket, 12345)
+                assert_same(got, want, f"qsgd_encode {case}")
+                if with_e:
+                    assert same_bits(ed, e_ref), f"qsgd_encode residual {case}"
 
 
 @parametrize_backends

@@ -276,25 +276,31 @@ def qsgd_encode(x, e, has_e, mode, wide, bits, s, bucket, key, limit, norms, pac
     lv = _level_values(bits, s, norms)
     dec = np.empty(lv.size, dtype=x.dtype)  # decoded value of each field in the bucket
     top = np.int64(s)
+    ft = norms.dtype.type  # the compute float: every product below is rounded to it
     b = -1
     edge = 0
     nb = norms[0]
+    p = ft(1.0)
+    r = ft(0.0)
+    draw = np.uint64(0)
     acc = 0
     for i in range(n):
         if i == edge:
             b += 1
             edge += bucket
             nb = norms[b]
+            # fixed-point scale of the bucket (commpress.codecs.qsgd): p exact, r one division
+            p = ft(2.0**64) if nb < 2.0**-64 else ft(1.0)
+            r = ft(np.float64(ft(s * (2.0**24 - 4.0))) / np.float64(ft(nb * p))) if nb > 0 else ft(0.0)
             if has_e:
                 for f in range(dec.size):
                     dec[f] = _round(np.float64(nb * lv[f]), mode)
         w = _w(x, e, i, has_e, mode)
-        a = abs(w) / nb if nb > 0 else nb  # compute-dtype arithmetic; 0 for an all-zero bucket
-        t = a * s
-        fl = np.floor(t)
-        u = np.float32(_draw(key, i) >> np.uint64(40)) * np.float32(2.0**-24)
-        level = min(np.int64(fl) + (1 if u < t - fl else 0), top)
-        field = (-level if w < 0 else level) + top
+        fixed = np.int64(math.floor(ft(ft(w * p) * r)))  # |fixed| < s * 2**24
+        if i == edge - bucket or (i & 1) == 0:
+            draw = np.uint64(_draw(key, i >> 1))  # two 24-bit uniforms per draw (rng.paired_u24)
+        u24 = np.int64((draw >> np.uint64(32 * (i & 1))) & np.uint64(0xFFFFFF))
+        field = ((fixed + u24) >> 24) + top  # floor((T + v) / 2**24) + s
         shift = (i * bits) & 7
         acc |= field << shift
         if shift + bits == 8:

@@ -103,6 +103,9 @@ struct QsgdArgs {
   int64_t bucket;
   int levels;
   uint64_t key;  // rng_key(seed, kStreamQSGD)
+  // Elements ahead of the one being encoded to prefetch into L2 (0: none). The one-pass encode
+  // (qsgd.cpp) sets it to its chunk length, so the next chunk's block sums read from cache.
+  int64_t prefetch_ahead = 0;
 };
 using QsgdEncodeFn = void (*)(const QsgdArgs&, int64_t i0, int64_t i1);
 

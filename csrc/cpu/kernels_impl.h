@@ -133,12 +133,11 @@ inline __m512i mix64_x8(__m512i z) {
   return _mm512_xor_si512(z, _mm512_srli_epi64(z, 31));
 }
 
-// rng_uniform of the 16 draws whose Weyl states (key + (i + 1) * golden) are in z0, z1.
-inline __m512 uniform_x16(__m512i z0, __m512i z1) {
-  const __m256i lo = _mm512_cvtepi64_epi32(_mm512_srli_epi64(mix64_x8(z0), 40));
-  const __m256i hi = _mm512_cvtepi64_epi32(_mm512_srli_epi64(mix64_x8(z1), 40));
-  const __m512i r = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-  return _mm512_mul_ps(_mm512_cvtepi32_ps(r), _mm512_set1_ps(5.9604644775390625e-08f));
+// rng_u24_paired of the 16 elements whose 8 draws have the Weyl states (key + (j + 1) * golden)
+// in z, OR-ed with `offset` (bits 24 and up): the 32-bit lanes of the draws are the elements'
+// halves in order (little-endian), so this is one ternary-logic op after the hash.
+inline __m512i u24_paired_x16(__m512i z, __m512i offset) {
+  return _mm512_ternarylogic_epi32(mix64_x8(z), _mm512_set1_epi32(0xFFFFFF), offset, 0xEA);  // (a & b) | c
 }
 
 // Packs 16 fields (int32 lanes, each < 2**Bits) LSB-first into 2 * Bits bytes.
@@ -147,11 +146,9 @@ inline void store_fields16(__m512i f, uint8_t* __restrict__ out) {
   if constexpr (Bits == 8) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(f));
   } else if constexpr (Bits == 4) {
-    const __m512i sh = _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0);
-    __m128i b = _mm512_cvtepi32_epi8(_mm512_sllv_epi32(f, sh));
-    b = _mm_or_si128(b, _mm_srli_epi16(b, 8));
-    b = _mm_shuffle_epi8(b, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, -1, -1, -1, -1, -1, -1, -1, -1));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(out), b);
+    // fields 2k, 2k + 1 are the halves of 64-bit lane k: shift the high one down to bit 4
+    const __m512i pairs = _mm512_or_si512(f, _mm512_srli_epi64(f, 28));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm512_cvtepi64_epi8(pairs));
   } else {
     const __m512i sh = _mm512_set_epi32(6, 4, 2, 0, 6, 4, 2, 0, 6, 4, 2, 0, 6, 4, 2, 0);
     __m128i b = _mm512_cvtepi32_epi8(_mm512_sllv_epi32(f, sh));
@@ -184,44 +181,98 @@ inline __m512i load_fields16(const uint8_t* __restrict__ p) {
   }
 }
 
+// Packs 32 fields (f0: fields 0..15, f1: 16..31, int32 lanes < 2**Bits) into 4 * Bits bytes.
+template <int Bits>
+inline void store_fields32(__m512i f0, __m512i f1, uint8_t* __restrict__ out) {
+  if constexpr (Bits == 4) {
+    // packus: 128-bit lane L holds the words f0[4L..4L+3], f1[4L..4L+3]; madd joins adjacent
+    // words into w0 + 16 * w1 = one packed byte per dword, which vpmovdb narrows and one
+    // in-register shuffle puts in element order (lane L gave bytes 2L, 2L+1, 8+2L, 9+2L).
+    const __m512i pairs =
+        _mm512_madd_epi16(_mm512_packus_epi32(f0, f1), _mm512_set1_epi32(0x00100001));
+    const __m128i order = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out),
+                     _mm_shuffle_epi8(_mm512_cvtepi32_epi8(pairs), order));
+  } else {
+    store_fields16<Bits>(f0, out);
+    store_fields16<Bits>(f1, out + 2 * Bits);
+  }
+}
+
+// The QSGD encode of one bucket segment on 16 float32 lanes: the same operations as
+// qsgd_elems (fixed point, paired 24-bit uniforms), checked bit for bit by the ISA loop of
+// tests/test_kernels.py.
+template <bool HasE, int Bits>
+struct QsgdF32 {
+  const float* __restrict__ x;
+  float* __restrict__ e;
+  const float* ratio16;
+  __m512i vs;     // s in every lane
+  __m512i offset; // s * 2**24 in every lane (qsgd_offset)
+  __m512 vnorm;   // n
+  __m512 vp;      // QsgdScale::p
+  __m512 vr;      // QsgdScale::r
+  bool tiny;      // p != 1: the exact pre-scale of a bucket norm below 2**-64
+  __m512i z;      // Weyl states (key + (j + 1) * golden) of the next 8 draws (16 elements)
+
+  // Fields of elements [i, i + 16) (their draws are z's); with a residual, updates it.
+  inline __m512i fields16(int64_t i) {
+    const __m512 c = load_c16(x, e, i, HasE);
+    const __m512 w = tiny ? _mm512_mul_ps(c, vp) : c;
+    // floor by the conversion's own rounding mode (exact, like the scalar floor)
+    const __m512i fixed = _mm512_cvt_roundps_epi32(_mm512_mul_ps(w, vr),
+                                                   _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512i v = u24_paired_x16(z, offset);
+    z = _mm512_add_epi64(z, _mm512_set1_epi64(static_cast<int64_t>(8 * kGolden)));
+    const __m512i f = _mm512_srli_epi32(_mm512_add_epi32(fixed, v), kQsgdFractionBits);
+    if constexpr (HasE) {
+      // ratio (f - s) / s: a 16-entry table lookup for fields of 2 and 4 bits
+      const __m512 ratio =
+          Bits == 8 ? _mm512_div_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(f, vs)), _mm512_cvtepi32_ps(vs))
+                    : _mm512_permutexvar_ps(f, _mm512_loadu_ps(ratio16));
+      const __m512 d = _mm512_add_ps(_mm512_mul_ps(vnorm, ratio), _mm512_setzero_ps());
+      _mm512_storeu_ps(e + i, _mm512_sub_ps(c, d));
+    }
+    return f;
+  }
+};
+
+// Fields (and the residual) of [s, s + 16m), s a multiple of 16; returns where it stopped.
+// With `ahead` > 0, prefetches x one line per 16 elements, `ahead` elements on (below n).
 template <bool HasE, int Bits>
 inline int64_t qsgd_encode_f32(const float* __restrict__ x, float* __restrict__ e, float norm,
                                int levels, const float* ratio16, uint64_t key,
-                               uint8_t* __restrict__ packed, int64_t s, int64_t end) {
-  const __m512 zero = _mm512_setzero_ps();
-  const __m512 one = _mm512_set1_ps(1.0f);
-  const __m512 vs = _mm512_set1_ps(static_cast<float>(levels));
-  const __m512 vnorm = _mm512_set1_ps(norm);
-  const bool live = norm > 0.0f;
-  alignas(64) uint64_t start[16];
-  for (int l = 0; l < 16; ++l) {
-    start[l] = key + static_cast<uint64_t>(s + 1 + l) * kGolden;
+                               uint8_t* __restrict__ packed, int64_t s, int64_t end,
+                               int64_t ahead, int64_t n) {
+  const QsgdScale<float> sc(norm, levels);
+  alignas(64) uint64_t start[8];
+  for (int l = 0; l < 8; ++l) {
+    start[l] = key + static_cast<uint64_t>(s / 2 + 1 + l) * kGolden;
   }
-  __m512i z0 = _mm512_load_si512(start);
-  __m512i z1 = _mm512_load_si512(start + 8);
-  const __m512i step = _mm512_set1_epi64(static_cast<int64_t>(16 * kGolden));
+  QsgdF32<HasE, Bits> k{x,
+                        e,
+                        ratio16,
+                        _mm512_set1_epi32(levels),
+                        _mm512_set1_epi32(static_cast<int>(qsgd_offset(levels))),
+                        _mm512_set1_ps(norm),
+                        _mm512_set1_ps(sc.p),
+                        _mm512_set1_ps(sc.r),
+                        sc.p != 1.0f,
+                        _mm512_load_si512(start)};
+  const int64_t prefetch_end = ahead > 0 ? n - ahead : 0;
   int64_t i = s;
-  for (; i + 16 <= end; i += 16) {
-    const __m512 c = load_c16(x, e, i, HasE);
-    const __m512 a = live ? _mm512_div_ps(_mm512_abs_ps(c), vnorm) : zero;
-    const __m512 t = _mm512_mul_ps(a, vs);
-    const __m512 fl = _mm512_cvtepi32_ps(_mm512_cvttps_epi32(t));
-    const __m512 u = uniform_x16(z0, z1);
-    z0 = _mm512_add_epi64(z0, step);
-    z1 = _mm512_add_epi64(z1, step);
-    const __mmask16 up = _mm512_cmp_ps_mask(u, _mm512_sub_ps(t, fl), _CMP_LT_OQ);
-    const __m512 level = _mm512_min_ps(_mm512_mask_add_ps(fl, up, fl, one), vs);
-    const __mmask16 ng = _mm512_cmp_ps_mask(c, zero, _CMP_LT_OQ);
-    const __m512 q = _mm512_mask_sub_ps(level, ng, zero, level);
-    const __m512i f = _mm512_cvttps_epi32(_mm512_add_ps(q, vs));
-    store_fields16<Bits>(f, packed + i / 8 * Bits);
-    if constexpr (HasE) {
-      // ratio (f - s) / s: a 16-entry table lookup for fields of 2 and 4 bits
-      const __m512 ratio = Bits == 8 ? _mm512_div_ps(q, vs)
-                                     : _mm512_permutexvar_ps(f, _mm512_loadu_ps(ratio16));
-      const __m512 d = _mm512_add_ps(_mm512_mul_ps(vnorm, ratio), zero);
-      _mm512_storeu_ps(e + i, _mm512_sub_ps(c, d));
+  for (; i + 32 <= end; i += 32) {
+    if (i < prefetch_end) {
+      _mm_prefetch(reinterpret_cast<const char*>(x + i + ahead), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(x + i + 16 + ahead), _MM_HINT_T1);
     }
+    const __m512i f0 = k.fields16(i);
+    const __m512i f1 = k.fields16(i + 16);
+    store_fields32<Bits>(f0, f1, packed + i / 8 * Bits);
+  }
+  if (i + 16 <= end) {
+    store_fields16<Bits>(k.fields16(i), packed + i / 8 * Bits);
+    i += 16;
   }
   return i;
 }
@@ -533,13 +584,11 @@ template <class T, bool HasE>
 COMMPRESS_HD void qsgd_elems(const T* __restrict__ x, CT<T>* __restrict__ e, CT<T> norm, int levels,
                              const CT<T>* ratio, uint64_t key, uint8_t* __restrict__ tile,
                              int64_t s, int64_t end) {
-  const CT<T> sl = static_cast<CT<T>>(levels);
+  const QsgdScale<CT<T>> sc(norm, levels);
   for (int64_t i = s; i < end; ++i) {
     const Corrected<T, HasE> v(x[i], e, i);
-    const CT<T> u = static_cast<CT<T>>(rng_uniform(key, static_cast<uint64_t>(i)));
-    const bool ng = v.w < CT<T>(0);
-    const int level = qsgd_level<CT<T>>(fabs_(v.w), norm, sl, u);
-    const uint32_t f = qsgd_field(ng, level, levels);
+    const uint32_t u = rng_u24_paired(key, static_cast<uint64_t>(i));
+    const uint32_t f = qsgd_fixed_field(v.w, sc, u, levels);
     tile[i] = static_cast<uint8_t>(f);
     if constexpr (HasE) {
       e[i] = v.c - decoded_value<T>(qsgd_value(norm, ratio[f]));
@@ -571,7 +620,7 @@ void qsgd_encode_range(const QsgdArgs& a, int64_t i0, int64_t i1) {
     if (use_fast<T>(a.bucket, a.n) && i0 % 16 == 0) {
       for_segments(i0, i1, a.bucket, [&](int64_t s, int64_t end, int64_t b) {
         const int64_t i = qsgd_encode_f32<HasE, Bits>(x, e, norms[b], levels, ratio, a.key,
-                                                            a.packed, s, end);
+                                                      a.packed, s, end, a.prefetch_ahead, a.n);
         if (i < end) {
           qsgd_elems<T, HasE>(x, e, norms[b], levels, ratio, a.key, fields - i, i, end);
           pack_tile<Bits>(fields, end - i, a.packed + i / 8 * Bits);

@@ -4,11 +4,14 @@
 // Encode is two passes, like sign_encode (see sign.cpp): bucket norms in the fixed summation
 // order (float64 input: a max pass first, then the sum of (w / max)^2), validated before
 // pass 2 quantises with the counter-based RNG, packs the fields and updates the residual.
+// Without a residual (float32/16, buckets of a multiple of 16 elements) both passes run per
+// cache-sized chunk instead (one_pass_encode): x is read from memory once.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <optional>
@@ -64,6 +67,59 @@ double first_above(const S* norms, int64_t count, double limit) {
   return limit;
 }
 
+// Blocks per cache-resident chunk of the one-pass encode: about kTaskElems elements (128 KB of
+// float32), summed and then quantised while they are still in L2.
+int64_t chunk_blocks(const cpu::BlockLayout& layout) {
+  return std::max<int64_t>(1, cpu::kTaskElems / layout.block);
+}
+
+// Whether the one-pass encode applies: no residual to protect (the outputs are fresh, so writing
+// them before the input is validated is harmless), float32/16 input (float64 needs the max
+// pass first), blocks of one summation group and a multiple of 16 elements (every chunk then
+// starts on a whole packed byte and on the AVX-512 path's 16-element alignment).
+bool one_pass(const void* e, DType dtype, const cpu::BlockLayout& layout) {
+  return e == nullptr && dtype != kF64 && layout.groups_per_block == 1 && layout.block % 16 == 0;
+}
+
+// Pass 1 and pass 2 fused per chunk of blocks: the block sums of a chunk, its norms, then its
+// fields, so x is read from memory once. The same sums, norms and fields as the two passes;
+// returns write_norms' status. A chunk with a non-finite norm (NaN/Inf input: the op raises)
+// is not quantised.
+int one_pass_encode(DType dtype, const cpu::BlockLayout& layout, double limit, float* norms,
+                    const cpu::QsgdArgs& args, cpu::QsgdEncodeFn encode, std::atomic<bool>* bad) {
+  const cpu::SumFn sum = cpu::kernels().sum[cpu::kSumSquare][dtype][0];
+  const cpu::SumArgs sargs{args.x, nullptr, nullptr, layout};
+  std::atomic<bool> nonfinite{false};
+  std::atomic<bool> too_big{false};
+  const int64_t chunk = chunk_blocks(layout);
+  cpu::QsgdArgs ahead = args;
+  ahead.prefetch_ahead = chunk * layout.block;
+  std::vector<double> sums(static_cast<size_t>(layout.nblocks));
+  at::parallel_for(0, layout.nblocks, chunk, [&](int64_t b0, int64_t b1) {
+    for (int64_t c0 = b0; c0 < b1; c0 += chunk) {
+      const int64_t c1 = std::min(c0 + chunk, b1);
+      sum(sargs, c0, c1, sums.data(), bad);
+      bool nf = false;
+      bool big = false;
+      for (int64_t b = c0; b < c1; ++b) {
+        const auto norm = static_cast<float>(std::sqrt(sums[static_cast<size_t>(b)]));
+        norms[b] = norm;
+        nf |= !std::isfinite(norm);
+        big |= static_cast<double>(norm) > limit;
+      }
+      if (nf) {
+        nonfinite.store(true, std::memory_order_relaxed);
+        continue;
+      }
+      if (big) {
+        too_big.store(true, std::memory_order_relaxed);
+      }
+      encode(ahead, c0 * layout.block, std::min(c1 * layout.block, layout.n));
+    }
+  });
+  return nonfinite.load() ? 1 : too_big.load() ? 2 : 0;
+}
+
 std::tuple<at::Tensor, at::Tensor> qsgd_encode_cpu(const at::Tensor& x,
                                                    const std::optional<at::Tensor>& residual,
                                                    int64_t bits, int64_t levels,
@@ -82,7 +138,30 @@ std::tuple<at::Tensor, at::Tensor> qsgd_encode_cpu(const at::Tensor& x,
   const void* xp = x.const_data_ptr();
   void* ep = e != nullptr ? e->data_ptr() : nullptr;
 
+  const cpu::QsgdArgs args{xp,
+                           ep,
+                           norms.const_data_ptr(),
+                           packed.mutable_data_ptr<uint8_t>(),
+                           n,
+                           layout.block,
+                           static_cast<int>(levels),
+                           rng_key(seed_bits(seed), kStreamQSGD)};
+  const cpu::QsgdEncodeFn fn =
+      cpu::kernels().qsgd_encode[dtype][e != nullptr ? 1 : 0][cpu::qsgd_bits_index(bits)];
+  const double limit = dtype_max(dtype);
   std::atomic<bool> bad{false};
+  if (one_pass(ep, dtype, layout)) {
+    const int status =
+        one_pass_encode(dtype, layout, limit, norms.mutable_data_ptr<float>(), args, fn, &bad);
+    // the same errors as the two passes; only fresh outputs (which are dropped) were written
+    check_finite(!bad.load(), op, "x");
+    TORCH_CHECK(status != 1, op, ": a bucket norm overflows ", ct,
+                " (NaN or Inf norm; nothing was written)");
+    TORCH_CHECK(status != 2, op, ": a bucket norm ",
+                first_above(norms.const_data_ptr<float>(), layout.nblocks, limit), " exceeds ",
+                x.scalar_type(), "'s range; use a smaller bucket_size (nothing was written)");
+    return {norms, packed};
+  }
   std::vector<double> amax;
   std::vector<double> sums;
   if (dtype == kF64) {
@@ -96,7 +175,6 @@ std::tuple<at::Tensor, at::Tensor> qsgd_encode_cpu(const at::Tensor& x,
   }
   check_finite(!bad.load(), op, e != nullptr ? "x + residual" : "x");
   const std::vector<double>* scale = dtype == kF64 ? &amax : nullptr;
-  const double limit = dtype_max(dtype);
   const int status =
       ct == at::kDouble
           ? write_norms(sums, scale, layout, limit, norms.mutable_data_ptr<double>())
@@ -107,16 +185,6 @@ std::tuple<at::Tensor, at::Tensor> qsgd_encode_cpu(const at::Tensor& x,
               first_above(norms.const_data_ptr<float>(), layout.nblocks, limit), " exceeds ",
               x.scalar_type(), "'s range; use a smaller bucket_size (nothing was written)");
 
-  const cpu::QsgdArgs args{xp,
-                           ep,
-                           norms.const_data_ptr(),
-                           packed.mutable_data_ptr<uint8_t>(),
-                           n,
-                           layout.block,
-                           static_cast<int>(levels),
-                           rng_key(seed_bits(seed), kStreamQSGD)};
-  const cpu::QsgdEncodeFn fn =
-      cpu::kernels().qsgd_encode[dtype][e != nullptr ? 1 : 0][cpu::qsgd_bits_index(bits)];
   cpu::parallel_elements(n, cpu::kTaskElems, [&](int64_t i0, int64_t i1) { fn(args, i0, i1); });
   return {norms, packed};
 }

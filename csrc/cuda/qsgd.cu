@@ -2,7 +2,7 @@
 // (declared in launchers.h). Plain CUDA: `nvcc -c -I csrc/include` compiles it anywhere.
 //
 // Encode: bucket norms (block_sums.cuh; float64 input: a max pass, then sums of (w / max)^2),
-// then one thread per element draws its uniform from the counter-based RNG
+// then one thread per element draws its 24-bit uniform from the counter-based RNG
 // (include/commpress/rng.h: same seed, same bits as the CPU), quantises, and the fields of 32
 // lanes are OR-ed into 32-bit words with shuffles (LSB-first, like commpress/bitpack.py).
 #include <cuda_runtime.h>
@@ -55,7 +55,6 @@ __global__ void qsgd_encode_kernel(const T* __restrict__ x, typename Elem<T>::co
   }
   constexpr int kPerWord = 32 / Bits;  // fields per 32-bit output word
   const unsigned lane = lane_id();
-  const CT s = static_cast<CT>(levels);
   const int64_t nwords = (l.n + kWarp - 1) / kWarp;
   const int64_t nbytes = (l.n * Bits + 7) / 8;
   const int64_t nwarps = grid_stride() / kWarp;
@@ -67,9 +66,8 @@ __global__ void qsgd_encode_kernel(const T* __restrict__ x, typename Elem<T>::co
     if (i < l.n) {
       const Corrected<T, HasE> v(x[i], e, i);
       const CT norm = norms[b];
-      const CT u = static_cast<CT>(rng_uniform(key, static_cast<uint64_t>(i)));
-      const int level = qsgd_level<CT>(fabs(v.w), norm, s, u);
-      field = qsgd_field(v.w < CT(0), level, levels);
+      const uint32_t u = rng_u24_paired(key, static_cast<uint64_t>(i));
+      field = qsgd_fixed_field(v.w, QsgdScale<CT>(norm, levels), u, levels);
       if constexpr (HasE) {
         e[i] = v.c - decoded_value<T>(qsgd_value(norm, qsgd_ratio<CT>(field, levels)));
       }

@@ -64,22 +64,40 @@ COMMPRESS_HD CT sign_value(bool negative, CT scale) {
 }
 
 // ----- qsgd ------------------------------------------------------------------------------
-// Level in [0, s] of |w| in a bucket of norm `norm` with uniform u:
-//   a = |w| / norm (0 when norm == 0), t = a * s, l = floor(t) + [u < t - floor(t)], min(l, s).
-template <class CT>
-COMMPRESS_HD int qsgd_level(CT absw, CT norm, CT s, CT u) {
-  const CT a = norm > CT(0) ? absw / norm : CT(0);
-  const CT t = mul_rn(a, s);
-  // t is finite and in [0, s * (1 + eps)], so truncation is floor (and vectorises on every ISA).
-  const CT fl = static_cast<CT>(static_cast<int>(t));
-  CT level = fl + (u < t - fl ? CT(1) : CT(0));
-  level = level < s ? level : s;
-  return static_cast<int>(level);
-}
+// Stochastic rounding in 24-bit fixed point (commpress/codecs/qsgd.py), per bucket of norm n:
+//   p = 2**64 if n < 2**-64 else 1,  r = (s * (2**24 - 4)) / (n * p)  (0 when n == 0),
+// then per element T = floor((w * p) * r) (signed) and field = (T + v + s * 2**24) >> 24, v the
+// element's 24-bit uniform (rng_u24_paired). w * p is exact; each product is rounded on its
+// own. The margin of 4 in r keeps |T| < s * 2**24, so the field is in [0, 2s] with no clamp.
+constexpr int kQsgdFractionBits = 24;
 
-// Field written for w: signed level + s, in [0, 2s].
-COMMPRESS_HD uint32_t qsgd_field(bool negative, int level, int s) {
-  return static_cast<uint32_t>((negative ? -level : level) + s);
+template <class CT>
+struct QsgdScale {
+  CT p;  // exact power-of-two pre-scale: 1, or 2**64 for buckets whose r would overflow
+  CT r;  // (s * (2**24 - 4)) / (n * p), correctly rounded; 0 for an all-zero bucket
+
+  COMMPRESS_HD QsgdScale(CT norm, int s) {
+    p = norm < CT(0x1p-64) ? CT(0x1p64) : CT(1);
+    r = norm > CT(0)
+            ? static_cast<CT>(static_cast<int64_t>(s) * ((int64_t{1} << kQsgdFractionBits) - 4)) /
+                  mul_rn(norm, p)
+            : CT(0);
+  }
+};
+
+// s * 2**24: the offset that makes the fixed-point level non-negative.
+COMMPRESS_HD uint32_t qsgd_offset(int s) { return static_cast<uint32_t>(s) << kQsgdFractionBits; }
+
+// Field in [0, 2s] of w with uniform v: floor((T + v) / 2**24) + s, T = floor((w * p) * r).
+// |T| < s * 2**24 < 2**31; the sum is formed mod 2**32, where its true value lies.
+template <class CT>
+COMMPRESS_HD uint32_t qsgd_fixed_field(CT w, QsgdScale<CT> sc, uint32_t v, int s) {
+  const CT y = mul_rn(mul_rn(w, sc.p), sc.r);
+  // floor without <cmath> (NVRTC has none): truncate, then step down where that rounded up.
+  // The float of the truncated value is exact: below 2**23 any integer is, above y is one.
+  const auto truncated = static_cast<int32_t>(y);
+  const int32_t fixed = truncated - (static_cast<CT>(truncated) > y ? 1 : 0);
+  return (static_cast<uint32_t>(fixed) + v + qsgd_offset(s)) >> kQsgdFractionBits;
 }
 
 // Decoded element of a field: norm * ((field - s) / s), each step rounded in CT. `ratio` is

@@ -2,6 +2,7 @@
 //
 //   key = mix64(seed ^ stream);  r_i = mix64(key + (i + 1) * GOLDEN)   (mod 2**64)
 //   uniform_i = (r_i >> 40) * 2**-24          below_i(L) = ((r_i >> 32) * L) >> 32
+//   u24_paired_i = (r_{i/2} >> (32 * (i % 2))) mod 2**24    (two per draw, rng.paired_u24)
 //
 // Stateless: any thread computes draw i on its own, so every thread layout on every backend
 // draws the same numbers.
@@ -31,6 +32,12 @@ COMMPRESS_HD uint64_t rng_draw(uint64_t key, uint64_t i) { return mix64(key + (i
 // float32 uniform in [0, 1): 24 random bits, exact in float32 (and in float64).
 COMMPRESS_HD float rng_uniform(uint64_t key, uint64_t i) {
   return static_cast<float>(static_cast<uint32_t>(rng_draw(key, i) >> 40)) * 5.9604644775390625e-08f;
+}
+
+// 24-bit uniform integer i of the paired sequence (commpress.rng.paired_u24): the low 24 bits
+// of the low (i even) or high (i odd) 32-bit half of draw i / 2.
+COMMPRESS_HD uint32_t rng_u24_paired(uint64_t key, uint64_t i) {
+  return static_cast<uint32_t>(rng_draw(key, i >> 1) >> (32 * (i & 1))) & 0xFFFFFFu;
 }
 
 // Integer in [0, bound) for 1 <= bound < 2**32 (Lemire's multiply-shift on the high 32 bits).
