@@ -79,3 +79,25 @@ def test_tta_table_reports_time_to_target():
     assert "`optimizer=opt`" in topk and "(defaults)" in topk and "| 2.0 | 0.33x | 2.0 |" in topk
     assert "(tuned: `warmup_steps=5`)" in text and "not reached" in text
     assert lines[3].count("|") == lines[2].count("|")
+
+
+def test_wide_digits_is_the_17m_sgd_workload_with_accuracy():
+    pytest.importorskip("sklearn")
+    from commpress.demo.runner import Workload
+
+    work = Workload("wide-digits", rank=1, world=2)
+    model = work.model()
+    assert sum(p.numel() for p in model.parameters()) > 17_000_000
+    opt = work.optimizer(model.parameters())
+    assert isinstance(opt, torch.optim.SGD) and opt.param_groups[0]["momentum"] == 0.9 and work.user_optimizer
+    assert work.batch == 64 and len(work.own) == 718  # rank 1's half of the 1437 training images
+    loss = work.loss(model, 0)
+    assert loss.ndim == 0 and torch.isfinite(loss)
+    result = work.evaluate(model)
+    assert set(result) == {"loss", "accuracy"} and 0.0 <= result["accuracy"] <= 100.0
+    bench = _bench()
+    data = {"workload": "wide-digits", "results": [
+        {"method": "allreduce", "curve": [[10, 1.0, 0.5]], "accuracy": [90.0], "final_loss": 0.5,
+         "final_accuracy": 90.0, "median_step_s": 0.1, "claimed_wire_bytes_per_step": 1e6},
+    ]}
+    assert "accuracy %" in bench.tta_table(data)[2]

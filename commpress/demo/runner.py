@@ -14,6 +14,9 @@ Workloads (models and data from :mod:`.workloads`):
   parameters) on stdlib text, the user's ``AdamW(lr=1e-3)``; held-out loss.
 - ``digits``: MLP 64-256-256-10 on the digits, the user's ``SGD(lr=0.1, momentum=0.9)``,
   ``bucket_cap_mb=1``; held-out loss and accuracy.
+- ``wide-digits``: the communication-bound SGD workload: MLP 64-4096-4096-10 (17M parameters,
+  a 67 MB gradient) on the same split, the user's ``SGD(lr=0.05, momentum=0.9)``, batch 64;
+  held-out loss and accuracy.
 - ``speed`` (17M-parameter MLP on digits) and ``quality`` (small byte-level transformer):
   the earlier e2e workloads, SGD with momentum 0.9 moved into the hook (DGC momentum correction).
 
@@ -62,7 +65,9 @@ from .workloads import (
 )
 
 MOMENTUM = 0.9
-WORKLOADS = ("lm", "digits", "speed", "quality")
+WORKLOADS = ("lm", "digits", "wide-digits", "speed", "quality")
+#: Workloads trained on the digits split, with held-out accuracy.
+DIGITS_SPLIT = ("digits", "wide-digits")
 LM_LR = 1e-3
 LM_HELDOUT = 128  # held-out windows of the lm workload (32 bytes each; 4096 bytes)
 
@@ -107,15 +112,15 @@ class Workload:
         if kind not in WORKLOADS:
             raise ValueError(f"workload must be one of {WORKLOADS}, got {kind!r}")
         self.kind, self.rank, self.world = kind, rank, world
-        self.user_optimizer = kind in ("lm", "digits")
+        self.user_optimizer = kind in ("lm", *DIGITS_SPLIT)
         self.bucket_cap_mb = 1.0 if kind == "digits" else 25.0
-        default_batch = {"lm": 4, "digits": 35, "speed": 64, "quality": 16}[kind]
+        default_batch = {"lm": 4, "digits": 35, "wide-digits": 64, "speed": 64, "quality": 16}[kind]
         self.batch = batch if batch is not None else default_batch
-        default_lr = {"lm": LM_LR, "digits": 0.1, "speed": 0.05, "quality": 0.1}[kind]
+        default_lr = {"lm": LM_LR, "digits": 0.1, "wide-digits": 0.05, "speed": 0.05, "quality": 0.1}[kind]
         self.lr = lr if lr is not None else default_lr
         if kind == "speed":
             self.x, self.y = digits_arrays()
-        elif kind == "digits":
+        elif kind in DIGITS_SPLIT:
             self.x, self.y, self.x_test, self.y_test = digits_split()
             self.own = torch.arange(rank, len(self.y), world)  # this rank's part of the training set
         else:
@@ -129,13 +134,13 @@ class Workload:
             return wide_byte_lm()
         if self.kind == "digits":
             return digits_mlp(256, 256)
-        return digits_mlp(4096, 4096) if self.kind == "speed" else ByteLM(dim=128, layers=2, context=64)
+        return digits_mlp(4096, 4096) if self.kind in ("speed", "wide-digits") else ByteLM(dim=128, layers=2, context=64)
 
     def optimizer(self, params: Any, momentum: float = MOMENTUM) -> torch.optim.Optimizer:
         """The optimizer of this workload (``momentum``: only for the hook-momentum workloads)."""
         if self.kind == "lm":
             return torch.optim.AdamW(params, lr=self.lr)
-        if self.kind == "digits":
+        if self.kind in DIGITS_SPLIT:
             return torch.optim.SGD(params, lr=self.lr, momentum=MOMENTUM)
         return torch.optim.SGD(params, lr=self.lr, momentum=momentum)
 
@@ -145,7 +150,7 @@ class Workload:
             g = torch.Generator().manual_seed(step * 131 + self.rank)
             idx = torch.randint(0, self.x.shape[0], (self.batch,), generator=g)
             return nn.functional.cross_entropy(model(self.x[idx]), self.y[idx])
-        if self.kind == "digits":  # epochs over this rank's part, reshuffled every epoch
+        if self.kind in DIGITS_SPLIT:  # epochs over this rank's part, reshuffled every epoch
             per_epoch = max(1, len(self.own) // self.batch)
             epoch, i = divmod(step, per_epoch)
             order = self.own[torch.randperm(len(self.own), generator=seeded(0, self.rank, epoch))]
@@ -162,7 +167,7 @@ class Workload:
         """
         if self.kind == "speed":  # the whole digits set (it only measures speed)
             return {"loss": float(nn.functional.cross_entropy(model(self.x), self.y))}
-        if self.kind == "digits":
+        if self.kind in DIGITS_SPLIT:
             logits = model(self.x_test)
             return {"loss": float(nn.functional.cross_entropy(logits, self.y_test)),
                     "accuracy": 100.0 * float((logits.argmax(1) == self.y_test).float().mean())}
