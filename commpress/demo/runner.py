@@ -52,7 +52,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from .. import ddp as commpress_ddp
-from ..codecs import from_spec, parse_params
+from ..codecs import parse_params
 from .workloads import (
     ByteLM,
     TextBatches,
@@ -193,11 +193,14 @@ def register_commpress(method: str, ddp: DDP, opt: torch.optim.Optimizer, work: 
     name, _, params = spec.partition(":")
     codec_params = parse_params(params, f"method {method!r}")
     if not work.user_optimizer:
-        # DGC momentum correction: the hook keeps the velocity, the optimizer has none; "auto"
-        # takes its candidate codec as options (cp-auto:auto_codec=topk,ratio=0.01)
-        codec: Any = "auto" if name == "auto" else from_spec(spec)
-        kwargs = {"momentum": MOMENTUM, **(codec_params if name == "auto" else {}), **hook_options}
-        return commpress_ddp.register(ddp, codec, **kwargs), False
+        # DGC momentum correction: the hook keeps the velocity, the optimizer has none. The codec
+        # goes by name with its parameters, as users register it (random-k: DDP's unscaled
+        # default with error feedback, not the codec's scaled one); "auto" takes its candidate
+        # codec as options (cp-auto:auto_codec=topk,ratio=0.01)
+        kwargs = {"momentum": MOMENTUM, **codec_params, **hook_options}
+        if work.kind == "speed":  # it times the steady state: no default warm-up steps
+            kwargs.setdefault("warmup_steps", 0)
+        return commpress_ddp.register(ddp, name, **kwargs), False
     takes_optimizer = "optimizer" in inspect.signature(commpress_ddp.register).parameters
     if takes_optimizer:
         hook_options.setdefault("optimizer", opt)
