@@ -253,14 +253,20 @@ class Target:
         torch.manual_seed(0)
         return WorkerNode(self.ps.layout, 0, self.ps.cfg, self.ps.model(), fingerprint=self.ps.fp)
 
+    def _accepts(self, target: Any, state: Any) -> bool:
+        """``target.load_state_dict(state)``: False on the documented ``ValueError``, else counted."""
+        try:
+            target.load_state_dict(state)
+        except ValueError:
+            return False
+        self.accepted += 1
+        return True
+
     def load_ef(self, which: int, state: Any) -> None:
         """``ErrorFeedback.load_state_dict``; then the memory must be plausible."""
         ef, base = self.efs[which]
-        try:
-            ef.load_state_dict(state)
-        except ValueError:
+        if not self._accepts(ef, state):
             return
-        self.accepted += 1
         check_feedback(ef, self.torch, self.limit)
         ef.load_state_dict(base)
 
@@ -268,11 +274,8 @@ class Target:
         """``CompressionState.load_state_dict``; then everything it holds must be plausible."""
         torch = self.torch
         st, base = self.ddp[which]
-        try:
-            st.load_state_dict(state)
-        except ValueError:
+        if not self._accepts(st, state):
             return
-        self.accepted += 1
         if not (isinstance(st.step, int) and 0 <= st.step < 1 << 62 and isinstance(st.seed, int) and 0 <= st.seed < 1 << 64):
             raise AssertionError(f"loaded step/seed implausible: {st.step!r} {st.seed!r}")
         for name, v in st.velocity.items():

@@ -190,11 +190,15 @@ def case_1a() -> dict[str, Any]:
     return measured(lambda: "; ".join(f"{label}: {attempt(lambda: go(bs))}" for label, bs in sizes))
 
 
-def case_1b() -> dict[str, Any]:
-    args = ["-m", "commpress.ps", "--steps", str(PS_STEPS), "--no-progress", "--json", "--timeout", "10",
-            "--codec", "sign:block_size=9223372036854775807"]
+def ps_case(*options: str) -> dict[str, Any]:
+    """A 3-process parameter-server run with ``options`` added; its outcome as a row."""
+    args = ["-m", "commpress.ps", "--steps", str(PS_STEPS), "--no-progress", "--json", "--timeout", "10", *options]
     rc, out, err, secs = mpirun(3, args, 150)
     return {"outcome": ps_summary(rc, secs, out, err, 150), "seconds": None}
+
+
+def case_1b() -> dict[str, Any]:
+    return ps_case("--codec", "sign:block_size=9223372036854775807")
 
 
 def case_1c() -> dict[str, Any]:
@@ -239,10 +243,7 @@ def case_2a() -> dict[str, Any]:
 
 
 def case_2b() -> dict[str, Any]:
-    args = ["-m", "commpress.ps", "--steps", str(PS_STEPS), "--no-progress", "--json", "--timeout", "10",
-            "--batch-size", "-5"]
-    rc, out, err, secs = mpirun(3, args, 150)
-    return {"outcome": ps_summary(rc, secs, out, err, 150), "seconds": None}
+    return ps_case("--batch-size", "-5")
 
 
 # ----- case 3: memory bombs ------------------------------------------------------------------
