@@ -92,7 +92,27 @@ def worker_forced(rank: int, world: int) -> None:
                      "non-finite parameters")
 
 
+def worker_fp16_send_buffer(rank: int, world: int) -> None:
+    """auto's fp16 option averages exactly as a fresh cast would, reusing one send buffer per bucket."""
+    from commpress.comm import allreduce as ar
+
+    bucket = torch.empty(1000)
+    for step in range(3):
+        values = torch.arange(1000, dtype=torch.float32) * (rank + 1) + step
+        bucket.copy_(values)
+        want = sum(torch.arange(1000, dtype=torch.float32) * (r + 1) + step for r in range(world)) / world
+        got = ar.allreduce_mean(bucket, wire_dtype=torch.float16, persistent=True).wait()
+        assert got is bucket
+        assert torch.allclose(bucket, want.to(torch.float16).float(), rtol=2e-3), f"step {step}"
+    kept = [k for k in ar._WIRE_BUFFERS if k[1] == bucket.data_ptr()]
+    assert len(kept) == 1, f"expected one reused send buffer for the bucket, got {kept}"
+    other = torch.ones(10)  # not persistent: nothing kept for it
+    ar.allreduce_mean(other, wire_dtype=torch.float16).wait()
+    assert torch.allclose(other, torch.ones(10)) and not [k for k in ar._WIRE_BUFFERS if k[1] == other.data_ptr()]
+
+
 def worker_both(rank: int, world: int, steps: int) -> None:
-    """Both scenarios in one launch (spawning ranks costs seconds)."""
+    """All scenarios in one launch (spawning ranks costs seconds)."""
     worker_calibrated(rank, world, steps)
     worker_forced(rank, world)
+    worker_fp16_send_buffer(rank, world)

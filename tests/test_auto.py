@@ -133,6 +133,26 @@ def test_auto_options_are_checked() -> None:
         commpress.ddp.CompressionState(model, "auto")
 
 
+def test_default_candidate_follows_who_owns_the_momentum() -> None:
+    """Sign only where the hook will own the momentum; QSGD (unbiased, no residuals) elsewhere."""
+    from commpress.ddp.auto import default_candidate
+
+    params = [torch.nn.Parameter(torch.zeros(4))]
+    sgd = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    assert default_candidate(sgd)[0] == "sign"
+    assert default_candidate(torch.optim.AdamW(params, lr=1e-3))[0] == "sign"
+    assert default_candidate(None, momentum=0.9)[0] == "sign"
+    none, why = default_candidate(None)
+    assert none == "qsgd" and "optimizer=" in why
+    assert default_candidate(torch.optim.Adam(params, amsgrad=True))[0] == "qsgd"  # runs unchanged
+    assert default_candidate(torch.optim.Adagrad(params))[0] == "qsgd"
+    # no auto_codec: the optimizer decides; codec parameters without it stay QSGD's
+    assert AutoPolicy.from_options({}, sgd)[0] == "sign"
+    assert AutoPolicy.from_options({}, None)[0] == "qsgd"
+    options = {"bits": 2}
+    assert AutoPolicy.from_options(options, sgd)[0] == "qsgd" and options == {"bits": 2}
+
+
 def test_auto_two_ranks() -> None:
     """Calibrated on loopback: same choices and parameters everywhere; a forced slow link
     compresses, a fast one goes dense and flushes the residuals, and stays there."""

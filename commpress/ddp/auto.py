@@ -1,7 +1,7 @@
 """``codec="auto"``: per DDP bucket, reduce dense, as fp16 or compressed, whichever is predicted fastest.
 
 ``commpress.ddp.register(ddp, "auto", optimizer=opt)`` (or ``CompressionState(model, "auto")``)
-builds the state of the *candidate* codec (``auto_codec``, default ``"qsgd"``; codec parameters as
+builds the state of the *candidate* codec (``auto_codec``, default below; codec parameters as
 usual, e.g. ``auto_codec="topk", ratio=0.01``) and attaches an :class:`AutoPolicy`:
 
 1. **Calibrate** (at registration, after the configuration check; a collective): fit the link's
@@ -32,11 +32,22 @@ from empty residuals. Warm-up and the guard's dense steps are dense as before. `
 reports each bucket's choice and predicted and measured seconds (``auto_b<index>_...``) and
 :meth:`AutoPolicy.report` the same as readable rows with the reason of the last decision.
 
-Why QSGD is the default candidate (``docs/benchmarks.md``): it kept dense quality everywhere it
-was measured (byte LM with AdamW: -1.27% loss at 2 ranks, -2.52% at 4; digits 98.2% vs dense
-97.7%), and it is unbiased, so it needs no residuals: switching options never touches the
-optimizer or its momentum. Top-k 1% and sign send 3-6x fewer bytes at 2 ranks (1 Gbit/s step
-0.217 s vs QSGD's 0.285 s) but lost 1-3.5% loss on the LM; choose them with ``auto_codec``.
+The default candidate (:func:`default_candidate`) is the cheapest codec that is safe with what the
+hook knows of the optimizer:
+
+- **1-bit sign** (``"sign"``) when the hook owns the momentum: ``optimizer=`` an SGD-like
+  optimizer (its momentum moves into the hook) or a supported Adam/AdamW (compressed momentum,
+  variance frozen after warm-up), or ``momentum=``. It sends 4x fewer bytes than QSGD 4-bit and,
+  at 1 Gbit/s, its step matched the best fixed codec's at 2 and 4 ranks where QSGD's was
+  1.2-1.5x it (17M MLP: 0.210 s vs top-k's 0.212 and QSGD's 0.293 at 2 ranks, 0.419 vs sign's
+  0.426 and QSGD's 0.498 at 4; ``docs/benchmarks.md``); at its defaults with the optimizer
+  passed it kept dense quality on the convergence issue's workloads (byte LM +1.0% held-out
+  loss, digits 97.5% vs 97.7%).
+- **QSGD 4-bit** (``"qsgd"``) otherwise: without the optimizer the hook cannot move its momentum,
+  and error feedback feeding a user's momentum is what makes sign diverge (digits: 21.7%);
+  QSGD is unbiased and keeps no residuals, so it is safe under any optimizer.
+
+Codec parameters given without ``auto_codec`` keep QSGD as the candidate (they are QSGD's).
 """
 
 from __future__ import annotations
@@ -67,6 +78,7 @@ from ..comm.costmodel import (
 )
 from ..comm.driver import wait
 from ..errors import CodecError
+from .optim import adam_unsupported, is_adam_like, is_sgd_like
 from .planning import BucketPlan
 
 if TYPE_CHECKING:
@@ -74,8 +86,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("commpress")
 
-#: The compressing candidate when ``auto_codec`` is not given (see the module docstring).
-DEFAULT_CANDIDATE = "qsgd"
+#: The compressing candidate when ``auto_codec`` is not given and the hook owns the momentum
+#: (:func:`default_candidate`), and when it cannot.
+DEFAULT_CANDIDATE = "sign"
+SAFE_CANDIDATE = "qsgd"
 DEFAULT_INTERVAL = 100
 DEFAULT_MARGIN = 0.1
 #: Options of ``codec="auto"`` (everything else goes to the candidate codec or the state).
@@ -117,6 +131,27 @@ class BucketChoice:
         with self._lock:
             sums, self._sums = self._sums, {}
         return [sums[o][0] / sums[o][1] if o in sums else 0.0 for o in OPTIONS]
+
+
+def default_candidate(optimizer: torch.optim.Optimizer | None, momentum: float = 0.0) -> tuple[str, str]:
+    """``auto``'s compressing candidate when ``auto_codec`` is not given, and why (module docstring).
+
+    Sign where the hook will own the momentum (``optimizer=`` SGD-like, or an Adam/AdamW the
+    compressed-momentum mode supports, or ``momentum=``); QSGD where it cannot.
+    """
+    if momentum:
+        return DEFAULT_CANDIDATE, "momentum= is applied in the hook"
+    if optimizer is None:
+        return SAFE_CANDIDATE, ("no optimizer= given: its momentum cannot move into the hook (pass "
+                                "optimizer= to let auto use 1-bit sign)")
+    if is_adam_like(optimizer):
+        reason = adam_unsupported(optimizer)
+        if reason is None:
+            return DEFAULT_CANDIDATE, f"{type(optimizer).__name__}'s momentum is compressed in the hook"
+        return SAFE_CANDIDATE, f"{type(optimizer).__name__} runs unchanged ({reason})"
+    if is_sgd_like(optimizer):
+        return DEFAULT_CANDIDATE, f"{type(optimizer).__name__}'s momentum (if any) moves into the hook"
+    return SAFE_CANDIDATE, f"{type(optimizer).__name__} runs unchanged on what the hook delivers"
 
 
 class AutoPolicy:
@@ -163,9 +198,19 @@ class AutoPolicy:
         self.device_scale = 1.0  # measured / calibrated encode+decode time, from the last decision
 
     @classmethod
-    def from_options(cls, options: dict[str, Any]) -> tuple[str, AutoPolicy]:
-        """Pop the ``auto_*`` options from ``options``; return the candidate codec's name and a policy."""
-        candidate = options.pop("auto_codec", DEFAULT_CANDIDATE)
+    def from_options(
+        cls, options: dict[str, Any], optimizer: torch.optim.Optimizer | None = None, momentum: float = 0.0
+    ) -> tuple[str, AutoPolicy]:
+        """Pop the ``auto_*`` options from ``options``; return the candidate codec's name and a policy.
+
+        Without ``auto_codec`` the candidate is :func:`default_candidate` of ``optimizer`` and
+        ``momentum`` (what the state will be given), or QSGD when codec parameters are given.
+        """
+        candidate = options.pop("auto_codec", None)
+        if candidate is None:
+            candidate, why = (SAFE_CANDIDATE, "codec parameters without auto_codec are QSGD's") if options \
+                else default_candidate(optimizer, momentum)
+            logger.info("commpress auto: candidate %s (%s)", candidate, why)
         if not isinstance(candidate, str) or candidate in ("auto", "none", "fp16", "bf16"):
             raise CodecError(f"auto_codec must name a compressing codec (topk, sign, qsgd, ...), got {candidate!r}")
         policy = cls(
@@ -278,7 +323,8 @@ class AutoPolicy:
             state.flush_residuals(plan, buffer)
             b.needs_flush = False
         wire = torch.float16 if option == "fp16" else None
-        fut = comm.allreduce_mean(buffer, group=state.process_group, wire_dtype=wire, stats=state.counters)
+        fut = comm.allreduce_mean(buffer, group=state.process_group, wire_dtype=wire, stats=state.counters,
+                                   persistent=True)
         return self.timed(plan, option, start, fut)
 
     def timed(
@@ -395,4 +441,4 @@ class AutoPolicy:
         return s
 
 
-__all__ = ["AUTO_OPTIONS", "DEFAULT_CANDIDATE", "AutoPolicy", "BucketChoice"]
+__all__ = ["AUTO_OPTIONS", "DEFAULT_CANDIDATE", "SAFE_CANDIDATE", "AutoPolicy", "BucketChoice", "default_candidate"]
