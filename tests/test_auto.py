@@ -134,20 +134,27 @@ def test_auto_options_are_checked() -> None:
 
 
 def test_default_candidate_follows_who_owns_the_momentum() -> None:
-    """Sign only where the hook will own the momentum; QSGD (unbiased, no residuals) elsewhere."""
-    from commpress.ddp.auto import default_candidate
+    """Top-k or sign only where the hook will own the momentum, by bytes; QSGD elsewhere."""
+    from commpress.ddp.auto import default_candidate, wire_bytes_per_element
 
     params = [torch.nn.Parameter(torch.zeros(4))]
     sgd = torch.optim.SGD(params, lr=0.1, momentum=0.9)
-    assert default_candidate(sgd)[0] == "sign"
-    assert default_candidate(torch.optim.AdamW(params, lr=1e-3))[0] == "sign"
-    assert default_candidate(None, momentum=0.9)[0] == "sign"
-    none, why = default_candidate(None)
+    # top-k's all-gather sends (n-1) frames: fewer bytes than sign at 2 ranks, more from 4
+    topk, sign = commpress.codecs.get("topk", ratio=0.01), commpress.codecs.get("sign")
+    assert wire_bytes_per_element(topk, 2) < wire_bytes_per_element(sign, 2)
+    assert wire_bytes_per_element(topk, 4) > wire_bytes_per_element(sign, 4)
+    assert default_candidate(sgd, world_size=2)[:2] == ("topk", {"ratio": 0.01})
+    assert default_candidate(sgd, world_size=4)[:2] == ("sign", {})
+    assert default_candidate(torch.optim.AdamW(params, lr=1e-3), world_size=8)[0] == "sign"
+    assert default_candidate(None, momentum=0.9, world_size=2)[0] == "topk"
+    none, _, why = default_candidate(None)
     assert none == "qsgd" and "optimizer=" in why
     assert default_candidate(torch.optim.Adam(params, amsgrad=True))[0] == "qsgd"  # runs unchanged
     assert default_candidate(torch.optim.Adagrad(params))[0] == "qsgd"
-    # no auto_codec: the optimizer decides; codec parameters without it stay QSGD's
-    assert AutoPolicy.from_options({}, sgd)[0] == "sign"
+    # no auto_codec: the optimizer and world size decide (the candidate's parameters are added);
+    # codec parameters without it stay QSGD's
+    options: dict = {}
+    assert AutoPolicy.from_options(options, sgd, world_size=2)[0] == "topk" and options == {"ratio": 0.01}
     assert AutoPolicy.from_options({}, None)[0] == "qsgd"
     options = {"bits": 2}
     assert AutoPolicy.from_options(options, sgd)[0] == "qsgd" and options == {"bits": 2}

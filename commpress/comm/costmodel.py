@@ -330,10 +330,11 @@ def calibrate_compressed(
         buf.copy_(x.reshape(-1))
         run(algorithm, buf, slots, group=group, server_feedback=server).wait()
 
-    # the least of the repeats: one run spans every rank, so a rank descheduled for a moment
-    # (4 ranks on 2 cores) stalls them all; measured, a median once scaled sign's encode 10x
-    # (11.3 ns/element against 3.5-3.8 in the runs around it) and auto chose fp16 over it
-    t = _max_over_ranks([_median_time(once, reps, min)], group, device)[0]
+    # one run spans every rank, so a rank descheduled for a moment (4 ranks on 2 cores) stalls
+    # them all: the median of 3 once scaled sign's encode 10x (11.3 ns/element against 3.5-3.8
+    # in the runs around it) and auto chose fp16 over it; the median of 5 needs 3 such runs,
+    # and the least of 5 predicted compressed steps 10-16% short (it also drops real contention)
+    t = _max_over_ranks([_median_time(once, reps)], group, device)[0]
     entries = [Entry(x.numel(), True)]
     plan = compressed_plan(entries, codec, algorithm, n, x.dtype)
     wire = (link.allreduce(plan["allreduce"], n) + link.allgather(plan["allgather"], n)

@@ -32,20 +32,22 @@ from empty residuals. Warm-up and the guard's dense steps are dense as before. `
 reports each bucket's choice and predicted and measured seconds (``auto_b<index>_...``) and
 :meth:`AutoPolicy.report` the same as readable rows with the reason of the last decision.
 
-The default candidate (:func:`default_candidate`) is the cheapest codec that is safe with what the
-hook knows of the optimizer:
+The default candidate (:func:`default_candidate`) is the codec sending the fewest bytes among
+those that are safe with what the hook knows of the optimizer:
 
-- **1-bit sign** (``"sign"``) when the hook owns the momentum: ``optimizer=`` an SGD-like
-  optimizer (its momentum moves into the hook) or a supported Adam/AdamW (compressed momentum,
-  variance frozen after warm-up), or ``momentum=``. It sends 4x fewer bytes than QSGD 4-bit and,
-  at 1 Gbit/s, its step matched the best fixed codec's at 2 and 4 ranks where QSGD's was
-  1.2-1.5x it (17M MLP: 0.210 s vs top-k's 0.212 and QSGD's 0.293 at 2 ranks, 0.419 vs sign's
-  0.426 and QSGD's 0.498 at 4; ``docs/benchmarks.md``); at its defaults with the optimizer
-  passed it kept dense quality on the convergence issue's workloads (byte LM +1.0% held-out
-  loss, digits 97.5% vs 97.7%).
-- **QSGD 4-bit** (``"qsgd"``) otherwise: without the optimizer the hook cannot move its momentum,
-  and error feedback feeding a user's momentum is what makes sign diverge (digits: 21.7%);
-  QSGD is unbiased and keeps no residuals, so it is safe under any optimizer.
+- where the hook owns the momentum (``optimizer=`` an SGD-like optimizer, whose momentum moves
+  into the hook, or a supported Adam/AdamW, whose momentum is compressed with the variance frozen
+  after warm-up; or ``momentum=``), **top-k 1%** or **1-bit sign**, whichever sends fewer bytes
+  per element at this world size (:func:`wire_bytes_per_element`: top-k at 2-3 ranks, where its
+  all-gather sends 0.08-0.16 bytes per element against sign's 0.13-0.17; sign from 4 ranks,
+  where top-k's all-gather grows with the ranks: 0.24 against 0.19). QSGD, the candidate
+  before, sends 4x more than sign and its 1 Gbit/s step was 1.2-1.4x the best fixed codec's
+  (17M MLP, ``docs/benchmarks.md``); at their defaults with the optimizer passed, top-k and
+  sign kept dense quality on the convergence issue's workloads at 2 ranks (byte LM +1.3% /
+  +1.0% held-out loss, digits 97.0% / 97.5% vs 97.7%).
+- otherwise **QSGD 4-bit**: without the optimizer the hook cannot move its momentum, and error
+  feedback feeding a user's momentum is what makes sign diverge (digits: 21.7%); QSGD is
+  unbiased and keeps no residuals, so it is safe under any optimizer.
 
 Codec parameters given without ``auto_codec`` keep QSGD as the candidate (they are QSGD's).
 """
@@ -62,7 +64,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from .. import comm
+from .. import codecs, comm
+from ..codecs import Codec
 from ..comm.costmodel import (
     OPTIONS,
     DeviceCost,
@@ -86,9 +89,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("commpress")
 
-#: The compressing candidate when ``auto_codec`` is not given and the hook owns the momentum
-#: (:func:`default_candidate`), and when it cannot.
-DEFAULT_CANDIDATE = "sign"
+#: The compressing candidates when ``auto_codec`` is not given and the hook owns the momentum
+#: (:func:`default_candidate` takes the one sending fewer bytes), and the one when it cannot.
+DEFAULT_CANDIDATES: tuple[tuple[str, dict[str, Any]], ...] = (("sign", {}), ("topk", {"ratio": 0.01}))
 SAFE_CANDIDATE = "qsgd"
 DEFAULT_INTERVAL = 100
 DEFAULT_MARGIN = 0.1
@@ -133,25 +136,43 @@ class BucketChoice:
         return [sums[o][0] / sums[o][1] if o in sums else 0.0 for o in OPTIONS]
 
 
-def default_candidate(optimizer: torch.optim.Optimizer | None, momentum: float = 0.0) -> tuple[str, str]:
-    """``auto``'s compressing candidate when ``auto_codec`` is not given, and why (module docstring).
+def wire_bytes_per_element(codec: Codec, world_size: int, numel: int = 1 << 20) -> float:
+    """Bytes one rank puts on the wire per gradient element with ``codec``'s default algorithm."""
+    n = max(world_size, 2)
+    plan = compressed_plan([Entry(numel, True)], codec, comm.default_algorithm(codec, n), n)
+    per_byte = Link(0.0, 1.0)  # seconds = bytes
+    return (per_byte.allreduce(plan["allreduce"], n) + per_byte.allgather(plan["allgather"], n)
+            + per_byte.alltoall(plan["alltoall"], n)) / numel
 
-    Sign where the hook will own the momentum (``optimizer=`` SGD-like, or an Adam/AdamW the
-    compressed-momentum mode supports, or ``momentum=``); QSGD where it cannot.
+
+def default_candidate(
+    optimizer: torch.optim.Optimizer | None, momentum: float = 0.0, world_size: int = 2
+) -> tuple[str, dict[str, Any], str]:
+    """``auto``'s candidate when ``auto_codec`` is not given: name, codec parameters, and why.
+
+    Where the hook will own the momentum (``optimizer=`` SGD-like, or an Adam/AdamW the
+    compressed-momentum mode supports, or ``momentum=``) the one of :data:`DEFAULT_CANDIDATES`
+    sending the fewest bytes at ``world_size`` ranks; QSGD where it cannot (module docstring).
     """
+    owner = None
     if momentum:
-        return DEFAULT_CANDIDATE, "momentum= is applied in the hook"
-    if optimizer is None:
-        return SAFE_CANDIDATE, ("no optimizer= given: its momentum cannot move into the hook (pass "
-                                "optimizer= to let auto use 1-bit sign)")
-    if is_adam_like(optimizer):
+        owner = "momentum= is applied in the hook"
+    elif optimizer is None:
+        return SAFE_CANDIDATE, {}, ("no optimizer= given: its momentum cannot move into the hook (pass "
+                                    "optimizer= to let auto use top-k or sign)")
+    elif is_adam_like(optimizer):
         reason = adam_unsupported(optimizer)
-        if reason is None:
-            return DEFAULT_CANDIDATE, f"{type(optimizer).__name__}'s momentum is compressed in the hook"
-        return SAFE_CANDIDATE, f"{type(optimizer).__name__} runs unchanged ({reason})"
-    if is_sgd_like(optimizer):
-        return DEFAULT_CANDIDATE, f"{type(optimizer).__name__}'s momentum (if any) moves into the hook"
-    return SAFE_CANDIDATE, f"{type(optimizer).__name__} runs unchanged on what the hook delivers"
+        if reason is not None:
+            return SAFE_CANDIDATE, {}, f"{type(optimizer).__name__} runs unchanged ({reason})"
+        owner = f"{type(optimizer).__name__}'s momentum is compressed in the hook"
+    elif is_sgd_like(optimizer):
+        owner = f"{type(optimizer).__name__}'s momentum (if any) moves into the hook"
+    else:
+        return SAFE_CANDIDATE, {}, f"{type(optimizer).__name__} runs unchanged on what the hook delivers"
+    sizes = [(wire_bytes_per_element(codecs.get(name, **params), world_size), name, params)
+             for name, params in DEFAULT_CANDIDATES]
+    nbytes, name, params = min(sizes, key=lambda t: t[0])  # ties: the first (sign)
+    return name, dict(params), f"{owner}; fewest bytes at {world_size} ranks ({nbytes:.3f} per element)"
 
 
 class AutoPolicy:
@@ -199,17 +220,22 @@ class AutoPolicy:
 
     @classmethod
     def from_options(
-        cls, options: dict[str, Any], optimizer: torch.optim.Optimizer | None = None, momentum: float = 0.0
+        cls, options: dict[str, Any], optimizer: torch.optim.Optimizer | None = None, momentum: float = 0.0,
+        world_size: int = 2,
     ) -> tuple[str, AutoPolicy]:
         """Pop the ``auto_*`` options from ``options``; return the candidate codec's name and a policy.
 
-        Without ``auto_codec`` the candidate is :func:`default_candidate` of ``optimizer`` and
-        ``momentum`` (what the state will be given), or QSGD when codec parameters are given.
+        Without ``auto_codec`` the candidate is :func:`default_candidate` of ``optimizer``,
+        ``momentum`` and ``world_size`` (what the state is given; its codec parameters are
+        added to ``options``), or QSGD when codec parameters are given.
         """
         candidate = options.pop("auto_codec", None)
         if candidate is None:
-            candidate, why = (SAFE_CANDIDATE, "codec parameters without auto_codec are QSGD's") if options \
-                else default_candidate(optimizer, momentum)
+            if options:
+                candidate, why = SAFE_CANDIDATE, "codec parameters without auto_codec are QSGD's"
+            else:
+                candidate, params, why = default_candidate(optimizer, momentum, world_size)
+                options.update(params)
             logger.info("commpress auto: candidate %s (%s)", candidate, why)
         if not isinstance(candidate, str) or candidate in ("auto", "none", "fp16", "bf16"):
             raise CodecError(f"auto_codec must name a compressing codec (topk, sign, qsgd, ...), got {candidate!r}")
@@ -441,4 +467,5 @@ class AutoPolicy:
         return s
 
 
-__all__ = ["AUTO_OPTIONS", "DEFAULT_CANDIDATE", "SAFE_CANDIDATE", "AutoPolicy", "BucketChoice", "default_candidate"]
+__all__ = ["AUTO_OPTIONS", "DEFAULT_CANDIDATES", "SAFE_CANDIDATE", "AutoPolicy", "BucketChoice", "default_candidate",
+           "wire_bytes_per_element"]

@@ -61,8 +61,9 @@ class CompressionState(checkpoint.StateFile):
             the hook reduces; parameter names come from ``module.named_parameters()``.
         codec: a codec name (``"topk"``, ``"sign"``, ...) or a :class:`commpress.codecs.Codec`;
             ``"auto"`` chooses per bucket between dense, fp16 and a compressing candidate
-            (``auto_codec``: 1-bit sign by default when the hook owns the momentum, passed as
-            ``optimizer=`` or ``momentum=``, QSGD otherwise; with its codec parameters) from a calibrated cost
+            (``auto_codec``: by default top-k 1% or 1-bit sign, whichever sends fewer bytes at
+            this world size, when the hook owns the momentum, passed as ``optimizer=`` or
+            ``momentum=``; QSGD otherwise; with its codec parameters) from a calibrated cost
             model (:mod:`commpress.ddp.auto`, options ``auto_codec``, ``auto_interval``,
             ``auto_margin``, ``auto_link``, ``auto_device``).
         error_feedback: keep per-parameter residuals of what compression dropped (and, for the
@@ -168,7 +169,9 @@ class CompressionState(checkpoint.StateFile):
         auto = None
         if isinstance(codec, str) and codec == "auto":
             codec_params = dict(codec_params)
-            codec, auto = AutoPolicy.from_options(codec_params, optimizer, momentum)  # the candidate codec and the policy
+            group = process_group if process_group is not None else getattr(model, "process_group", None)
+            ranks = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 2
+            codec, auto = AutoPolicy.from_options(codec_params, optimizer, momentum, ranks)  # the candidate codec and the policy
         self.codec = comm.resolve_codec(codec, codec_params, "DDP's collectives")
         self.warmup_codec = self._warmup_codec(warmup_codec)
         if error_feedback is None:
