@@ -151,6 +151,8 @@ def test_default_candidate_follows_who_owns_the_momentum() -> None:
     assert none == "qsgd" and "optimizer=" in why
     assert default_candidate(torch.optim.Adam(params, amsgrad=True))[0] == "qsgd"  # runs unchanged
     assert default_candidate(torch.optim.Adagrad(params))[0] == "qsgd"
+    # RMSprop's momentum acts on its normalized step: not SGD's, never moved into the hook
+    assert default_candidate(torch.optim.RMSprop(params, momentum=0.9))[0] == "qsgd"
     # no auto_codec: the optimizer and world size decide (the candidate's parameters are added);
     # codec parameters without it stay QSGD's
     options: dict = {}
