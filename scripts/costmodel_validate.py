@@ -7,8 +7,9 @@
 Every ``cp-auto`` run reports, per bucket, the seconds the model predicts for each option (link
 calibrated in that network, device costs of its candidate codec). The ``dense`` / ``fp16``
 predictions stand for PyTorch's all-reduce and fp16 hook, an auto run's ``compressed`` one for the
-fixed method of its candidate (``cp-auto:auto_codec=qsgd`` -> ``cp-qsgd``; plain ``cp-auto`` ->
-``cp-sign``: the speed workload passes ``momentum=``, so its default candidate is sign), and each
+fixed method of its candidate (``cp-auto:auto_codec=qsgd`` -> ``cp-qsgd``; plain ``cp-auto`` -> its
+default candidate with ``momentum=``, as the speed workload registers it: ``cp-topk:ratio=0.01``
+at 2 ranks, ``cp-sign`` at 4), and each
 auto run's chosen options for itself. The compute time ``C_w`` = measured dense step - predicted
 dense reduction (unshaped, ``w`` ranks); predicted step = ``C_w`` + the sum over buckets. Prints a
 markdown table with the error per row and the mean / max error.
@@ -20,15 +21,16 @@ import json
 import statistics
 import sys
 
-DEFAULT_AUTO_CANDIDATE = "cp-sign"  # plain cp-auto on the speed workload (momentum= in the hook)
 
-
-def fixed_method(auto_method: str) -> str:
-    """The fixed method an auto run's ``compressed`` option stands for."""
+def fixed_method(auto_method: str, world: int) -> str:
+    """The fixed method an auto run's ``compressed`` option stands for at ``world`` ranks."""
     params = dict(p.split("=", 1) for p in auto_method.partition(":")[2].split(",") if "=" in p)
     codec = params.pop("auto_codec", None)
-    if codec is None:
-        return DEFAULT_AUTO_CANDIDATE
+    if codec is None:  # the speed workload registers with momentum= (the hook owns the momentum)
+        from commpress.ddp.auto import default_candidate
+
+        codec, defaults, _ = default_candidate(None, momentum=0.9, world_size=world)
+        params = {k: str(v) for k, v in defaults.items()}
     return f"cp-{codec}" + (":" + ",".join(f"{k}={v}" for k, v in params.items()) if params else "")
 
 
@@ -44,7 +46,7 @@ def results(run: dict) -> dict[str, dict]:
     return out
 
 
-def predictions(rs: dict[str, dict]) -> dict[str, float]:
+def predictions(rs: dict[str, dict], world: int) -> dict[str, float]:
     """Predicted reduction seconds per method present in the run (compute excluded)."""
     def total(report: list[dict], option: str) -> float:
         return sum(b["predicted_s"][option] for b in report if option in b["predicted_s"])
@@ -54,7 +56,7 @@ def predictions(rs: dict[str, dict]) -> dict[str, float]:
     for m, report in autos.items():
         out.setdefault("allreduce", total(report, "dense"))
         out.setdefault("fp16", total(report, "fp16"))
-        out[fixed_method(m)] = total(report, "compressed")
+        out[fixed_method(m, world)] = total(report, "compressed")
         out[m] = sum(b["predicted_s"][b["option"]] for b in report)
     return out
 
@@ -65,13 +67,13 @@ def main(path: str) -> None:
     compute = {}
     for w in worlds:
         rs = results(runs[("unshaped", w)])
-        compute[w] = rs["allreduce"]["median_step_s"] - predictions(rs)["allreduce"]
+        compute[w] = rs["allreduce"]["median_step_s"] - predictions(rs, w)["allreduce"]
     print("| link | ranks | method | measured step (s) | predicted (s) | error |")
     print("|---|---|---|---|---|---|")
     errs = []
     for key, run in runs.items():
         rs = results(run)
-        for m, v in predictions(rs).items():
+        for m, v in predictions(rs, key[1]).items():
             if m not in rs:
                 continue
             measured, predicted = rs[m]["median_step_s"], compute[key[1]] + v

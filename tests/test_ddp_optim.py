@@ -87,10 +87,6 @@ def test_momentum_masking_zeroes_the_sent_entries() -> None:
     w.launch(ow.worker_momentum_masking, 2, timeout=240)
 
 
-def test_random_k_refreshes_adams_momentum_without_residuals() -> None:
-    w.launch(ow.worker_refreshed_momentum, 2, timeout=240)
-
-
 def test_value_blind_warmup_keeps_a_velocity_and_hands_it_over() -> None:
     w.launch(ow.worker_value_blind_warmup, 2, timeout=240)
 

@@ -172,24 +172,16 @@ class FrozenVarianceAdam:
     (a byte never seen in warm-up, or zeroed by a quantized warm-up) would otherwise move by
     ``m/eps``. Random-k keeps one step's bound: its sends are blind bursts of ~1/ratio steps,
     and with a wider bound it diverged on digits (95.7% -> 8.3%).
-
-    ``refreshed`` (``id(param)``s; random-k without error feedback) changes what arrives: the
-    average of every rank's current momentum at the sampled entries and 0 elsewhere. Those
-    entries of ``exp_avg`` take the new value and the others keep theirs, and every entry
-    steps by its ``exp_avg``: each keeps moving at the rate last agreed for it (the same on
-    every rank) until its next refresh, about ``1/ratio`` steps later, instead of standing
-    still in between.
     """
 
     def __init__(
         self, optimizer: torch.optim.Optimizer, compressed: Mapping[int, str], freeze_step: int,
-        windows: Mapping[int, float] | None = None, refreshed: set[int] | None = None,
+        windows: Mapping[int, float] | None = None,
     ) -> None:
         self.optimizer = optimizer
         self.compressed = dict(compressed)  # id(param) -> name
         self.freeze_step = freeze_step
         self.windows = dict(windows or {})
-        self.refreshed = set(refreshed or ())
         self.active = False
         self._hidden: dict[torch.Tensor, torch.Tensor] = {}
         self._scratch: dict[torch.Tensor, torch.Tensor] = {}
@@ -233,10 +225,7 @@ class FrozenVarianceAdam:
                 st["step"] += 1
                 step = float(st["step"])
                 with torch.no_grad():
-                    if id(p) in self.refreshed:  # the sampled entries arrive; the rest keep their rate
-                        torch.where(p.grad != 0, p.grad, st["exp_avg"], out=st["exp_avg"])
-                    else:
-                        st["exp_avg"].copy_(p.grad)
+                    st["exp_avg"].copy_(p.grad)
                     # one scratch buffer per parameter, reused: no allocation (page faults) per step
                     update = self._scratch.get(p)
                     if update is None:

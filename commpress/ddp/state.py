@@ -174,7 +174,6 @@ class CompressionState(checkpoint.StateFile):
             codec, auto = AutoPolicy.from_options(codec_params, optimizer, momentum, ranks)  # the candidate codec and the policy
         self.codec = comm.resolve_codec(codec, codec_params, "DDP's collectives")
         self.warmup_codec = self._warmup_codec(warmup_codec)
-        feedback_by_default = error_feedback is None
         if error_feedback is None:
             error_feedback = not self.codec.unbiased
         for name, value in (
@@ -243,7 +242,7 @@ class CompressionState(checkpoint.StateFile):
         if self.momentum:
             rule = MomentumRule(self.momentum)
             self.momentum_rules = {name: rule for name in self.plans}
-        self._adopt_optimizer(module, optimizer, momentum_masking, feedback_by_default)
+        self._adopt_optimizer(module, optimizer, momentum_masking)
         first = next(module.parameters(), None)
         self.auto = None if auto is None else auto.bind(self, first.device if first is not None else torch.device("cpu"))
         if not isinstance(verify_timeout, (int, float)) or isinstance(verify_timeout, bool) or verify_timeout <= 0:
@@ -320,8 +319,7 @@ class CompressionState(checkpoint.StateFile):
         return codec
 
     def _adopt_optimizer(
-        self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, masking: bool | None,
-        feedback_by_default: bool = False,
+        self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, masking: bool | None
     ) -> None:
         """Take the optimizer's momentum into the hook where error feedback needs it; log why."""
         if not self.uses_feedback:
@@ -338,7 +336,7 @@ class CompressionState(checkpoint.StateFile):
                 )
             return
         if is_adam_like(optimizer):
-            self._adopt_adam(module, optimizer, masking, feedback_by_default)
+            self._adopt_adam(module, optimizer, masking)
             return
         if not is_sgd_like(optimizer) or not has_momentum(optimizer):
             logger.info("commpress: optimizer %s has no SGD momentum to take over; it runs unchanged",
@@ -362,20 +360,8 @@ class CompressionState(checkpoint.StateFile):
         logger.info("commpress: %s momentum moved into the hook for %d parameters",
                     type(optimizer).__name__, len(self.momentum_rules))
 
-    def _adopt_adam(
-        self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, masking: bool | None,
-        feedback_by_default: bool = False,
-    ) -> None:
-        """Adam/AdamW: compressed momentum with the variance frozen after the dense warm-up.
-
-        A value-blind codec (random-k) with error feedback at its default refreshes instead:
-        each step sends the current momentum of the sampled entries, without residuals, and
-        every entry keeps moving by the momentum last received for it
-        (:class:`FrozenVarianceAdam`'s ``refreshed``). With error feedback an entry is sent
-        about once per ``1/ratio`` steps holding all of them, and Adam's per-step bound cuts
-        most of it: measured on the byte LM (AdamW, random-k 1%, 2 ranks, 200 steps), held-out
-        loss +3.4% of dense's.
-        """
+    def _adopt_adam(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, masking: bool | None) -> None:
+        """Adam/AdamW: compressed momentum with the variance frozen after the dense warm-up."""
         reason = adam_unsupported(optimizer)
         if reason is not None:
             logger.warning("commpress: %s: the optimizer runs unchanged on compressed gradients", reason)
@@ -392,15 +378,7 @@ class CompressionState(checkpoint.StateFile):
                 delta = self.codec.delta(p.numel()) if id(p) in compressed else None
                 if delta:
                     windows[id(p)] = 1.0 / delta
-        refreshed: set[int] = set()
-        if self.codec.value_blind and feedback_by_default and self.feedback is not None:
-            refreshed = set(compressed)
-            self.error_feedback = False
-            self.feedback = self.server_feedback = None  # nothing held back: nothing for the guard
-            self.guard = dataclasses.replace(self.guard, threshold=0.0)
-            logger.info("commpress: %r refreshes Adam's momentum of the sampled entries (no error feedback)",
-                        self.codec)
-        self.adam = FrozenVarianceAdam(optimizer, compressed, self.warmup_steps, windows, refreshed)
+        self.adam = FrozenVarianceAdam(optimizer, compressed, self.warmup_steps, windows)
         if masking is None and self.codec.sparse:
             # measured on the 10.8M-parameter byte LM (AdamW, 2 ranks, 200 steps): top-k 1%
             # held-out loss 2.5615 -> 2.5355 (dense 2.4855); on SGD digits it cost top-k 0.8 points
