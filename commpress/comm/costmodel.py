@@ -217,25 +217,26 @@ def _max_over_ranks(values: list[float], group: Any, device: torch.device | str)
 
 
 def fit_link(sizes: Sequence[float], times: Sequence[float], n: int) -> Link:
-    """``alpha``, ``beta`` of ring all-reduces of ``sizes`` bytes that took ``times``.
+    """Least-squares ``alpha``, ``beta`` of ring all-reduces of ``sizes`` bytes that took ``times``.
 
-    ``beta`` is the slope between the two largest sizes and ``alpha`` what the smallest took
-    beyond its bytes, both clamped at 0. Not a least-squares line through every point: on a
-    ``tc tbf`` link small messages pay a latency that large ones overlap (1 Gbit/s, 2 ranks:
-    4 KB 5.4 ms, 1 MB 8.7 ms, 8 / 32 / 67 MB at 0.955 Gbit/s), and a line weighted by relative
-    error read that as 1.13 Gbit/s plus 1.7 ms per message, predicting the 67 MB bucket 15% short.
+    Each point is weighted by ``1/time`` (relative error), so the small sizes fix the latency
+    and the large ones the bandwidth; both are clamped at 0.
     """
     if len(sizes) != len(times) or len(sizes) < 2 or n < 2:
         raise CodecError(f"fit_link needs >= 2 (size, time) points and n >= 2, got {len(sizes)} and n={n}")
-    points = sorted(zip(sizes, times))
-    per_byte = 2.0 * (n - 1) / n  # bytes each rank sends per input byte
-    messages = 2.0 * (n - 1)
-    (b1, t1), (b2, t2) = points[-2], points[-1]
-    beta = (t2 - t1) / (per_byte * (b2 - b1)) if b2 > b1 else 0.0
-    if beta <= 0:  # latency-only data or noise: all time per byte of the largest
-        beta = max(t2, 0.0) / (per_byte * b2) if b2 > 0 else 0.0
-    b0, t0 = points[0]
-    alpha = max(t0 - per_byte * b0 * beta, 0.0) / messages
+    rows = [(2.0 * (n - 1) / t, 2.0 * (n - 1) / n * b / t) for b, t in zip(sizes, times)]
+    # normal equations of min sum (x_a * alpha + x_b * beta - 1)^2
+    saa = sum(a * a for a, _ in rows)
+    sbb = sum(b * b for _, b in rows)
+    sab = sum(a * b for a, b in rows)
+    sa = sum(a for a, _ in rows)
+    sb = sum(b for _, b in rows)
+    det = saa * sbb - sab * sab
+    alpha, beta = ((sbb * sa - sab * sb) / det, (saa * sb - sab * sa) / det) if det else (0.0, 0.0)
+    if beta <= 0:  # latency-only data: all time per byte of the largest
+        beta = max(times[-1] - 2 * (n - 1) * max(alpha, 0.0), 0.0) / (2 * (n - 1) / n * sizes[-1])
+    if alpha < 0:
+        alpha = 0.0
     return Link(alpha, beta)
 
 
