@@ -93,6 +93,16 @@ def test_calibrate_device_single_process() -> None:
     assert cost.encode_s > 0 and cost.decode_s > 0 and cost.pass_s > 0 and cost.cast_s > 0 and cost.mask_s > 0
 
 
+def test_path_factor_never_scales_below_the_codec_alone() -> None:
+    from commpress.comm.costmodel import path_factor
+
+    assert path_factor(0.030, 0.010, 0.010) == pytest.approx(2.0)  # the path did 2x the codec's work
+    # a slow link: the wire is nearly all of the path, its error must not shrink the CPU part
+    assert path_factor(0.300, 0.298, 0.015) == 1.0
+    assert path_factor(0.100, 0.200, 0.015) == 1.0  # wire over-predicted
+    assert path_factor(0.100, 0.010, 0.0) == 1.0 and path_factor(math.nan, 0.0, 1.0) == 1.0
+
+
 def _bucket(predicted: dict[str, float], option: str) -> BucketChoice:
     return BucketChoice(0, BIG, dict(predicted), option, "first")
 
