@@ -35,6 +35,8 @@ def worker_calibrated(rank: int, world: int, steps: int) -> None:
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     state = commpress.ddp.register(ddp, "auto", optimizer=opt, auto_interval=3)
     assert state.auto is not None and state.auto.calibrated
+    # the hook owns SGD's momentum: at 2 ranks top-k sends the fewest bytes
+    assert state.codec.name == "topk" and state.auto.interval == 3, (state.codec, state.auto.interval)
     for step in range(steps):
         train_step(ddp, opt, rank, step)
         assert_same_across_ranks(ddp, f"auto step {step}")

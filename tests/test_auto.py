@@ -170,6 +170,9 @@ def test_default_candidate_follows_who_owns_the_momentum() -> None:
     assert AutoPolicy.from_options({}, None)[0] == "qsgd"
     options = {"bits": 2}
     assert AutoPolicy.from_options(options, sgd)[0] == "qsgd" and options == {"bits": 2}
+    options = {"auto_interval": 7}  # auto's own options are not codec parameters
+    name, policy = AutoPolicy.from_options(options, sgd, world_size=4)
+    assert name == "sign" and policy.interval == 7 and options == {}
 
 
 def test_auto_two_ranks() -> None:

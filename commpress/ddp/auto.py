@@ -231,7 +231,7 @@ class AutoPolicy:
         """
         candidate = options.pop("auto_codec", None)
         if candidate is None:
-            if options:
+            if any(key not in AUTO_OPTIONS for key in options):
                 candidate, why = SAFE_CANDIDATE, "codec parameters without auto_codec are QSGD's"
             else:
                 candidate, params, why = default_candidate(optimizer, momentum, world_size)
