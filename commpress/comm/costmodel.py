@@ -160,6 +160,12 @@ def compressed_plan(
     return out
 
 
+def wire_time(link: Link, plan: dict[str, float], n: int) -> float:
+    """Seconds ``link`` takes for the collectives of a :func:`compressed_plan` among ``n`` ranks."""
+    return (link.allreduce(plan["allreduce"], n) + link.allgather(plan["allgather"], n)
+            + link.alltoall(plan["alltoall"], n))
+
+
 def predict(
     entries: Sequence[Entry],
     n: int,
@@ -184,8 +190,7 @@ def predict(
     if dtype in (torch.float32, torch.float64):
         out["fp16"] = link.allreduce(2 * numel, n) + device.cast_s * numel
     plan = compressed_plan(entries, codec, algorithm, n, dtype)
-    wire = (link.allreduce(plan["allreduce"], n) + link.allgather(plan["allgather"], n)
-            + link.alltoall(plan["alltoall"], n))
+    wire = wire_time(link, plan, n)
     work = nc * (device.encode_s + plan["decodes"] * device.decode_s + device.mask_s)
     work += (numel - nc) * device.pass_s * plan["decodes"] + 2 * numel * device.pass_s
     out["compressed"] = wire + work
@@ -198,15 +203,15 @@ def best(predicted: dict[str, float]) -> str:
 
 
 # ----- calibration -------------------------------------------------------------------------------
-def _median_time(fn: Any, reps: int, stat: Any = statistics.median) -> float:
-    """``stat`` (median, or ``min``) of ``reps`` timed calls of ``fn`` after one untimed call."""
+def _median_time(fn: Any, reps: int) -> float:
+    """Median of ``reps`` timed calls of ``fn`` after one untimed call."""
     fn()  # warm-up: first-touch pages, kernel selection
     times = []
     for _ in range(reps):
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
-    return float(stat(times))
+    return statistics.median(times)
 
 
 def _max_over_ranks(values: list[float], group: Any, device: torch.device | str) -> list[float]:
@@ -337,8 +342,7 @@ def calibrate_compressed(
     t = _max_over_ranks([_median_time(once, reps)], group, device)[0]
     entries = [Entry(x.numel(), True)]
     plan = compressed_plan(entries, codec, algorithm, n, x.dtype)
-    wire = (link.allreduce(plan["allreduce"], n) + link.allgather(plan["allgather"], n)
-            + link.alltoall(plan["alltoall"], n))
+    wire = wire_time(link, plan, n)
     work = predict(entries, n, link, cost, codec, algorithm, x.dtype)["compressed"] - wire
     factor = path_factor(t, wire, work)
     return DeviceCost(cost.encode_s * factor, cost.decode_s * factor, cost.pass_s, cost.cast_s, cost.mask_s)
@@ -408,5 +412,5 @@ def calibrate_device(
 __all__ = [
     "CALIBRATION_BYTES", "CALIBRATION_NUMEL", "OPTIONS", "DeviceCost", "Entry", "Link", "best",
     "calibrate_cast", "calibrate_compressed", "calibrate_device", "calibrate_link", "compressed_plan", "fit_link",
-    "path_factor", "predict",
+    "path_factor", "predict", "wire_time",
 ]

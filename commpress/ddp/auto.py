@@ -78,6 +78,7 @@ from ..comm.costmodel import (
     calibrate_link,
     compressed_plan,
     predict,
+    wire_time,
 )
 from ..comm.driver import wait
 from ..errors import CodecError
@@ -140,9 +141,7 @@ def wire_bytes_per_element(codec: Codec, world_size: int, numel: int = 1 << 20) 
     """Bytes one rank puts on the wire per gradient element with ``codec``'s default algorithm."""
     n = max(world_size, 2)
     plan = compressed_plan([Entry(numel, True)], codec, comm.default_algorithm(codec, n), n)
-    per_byte = Link(0.0, 1.0)  # seconds = bytes
-    return (per_byte.allreduce(plan["allreduce"], n) + per_byte.allgather(plan["allgather"], n)
-            + per_byte.alltoall(plan["alltoall"], n)) / numel
+    return wire_time(Link(0.0, 1.0), plan, n) / numel  # a link of one second per byte: seconds = bytes
 
 
 def default_candidate(
