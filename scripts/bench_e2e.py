@@ -53,8 +53,9 @@ METHODS = [
     "cp-randomk:ratio=0.01,scaled=false@momentum_masking=true",
     "cp-sign:block_size=256@momentum_masking=true",
     "cp-qsgd:bits=4",
-    # codec="auto" (commpress.ddp.auto): dense, fp16 or its candidate per bucket (sign when the hook
-    # owns the momentum, as here; QSGD without optimizer=), from a cost model
+    # codec="auto" (commpress.ddp.auto): dense, fp16 or its candidate per bucket (top-k 1% or sign,
+    # whichever sends fewer bytes, when the hook owns the momentum, as here; QSGD without
+    # optimizer=), from a cost model
     "cp-auto",
 ]
 LABEL = {

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -143,6 +146,25 @@ def worker_value_blind_warmup(rank: int, world: int) -> None:
         assert_all_ranks(diff < 1e-5, f"{optim}: random-k after its warm-up differs from SGD at lr*gain by {diff}")
 
 
+@contextlib.contextmanager
+def _captured_warnings() -> Iterator[list[str]]:
+    """The messages the ``commpress`` logger warns with inside the block."""
+    messages: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                messages.append(record.getMessage())
+
+    handler = Collect()
+    log = logging.getLogger("commpress")
+    log.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        log.removeHandler(handler)
+
+
 def worker_momentum_masking(rank: int, world: int) -> None:
     """DGC's masking zeroes the velocity exactly at the entries just sent (where the residual was
     emptied), and nowhere else: top-k with SGD momentum, random-k through Adam's compressed momentum."""
@@ -153,7 +175,10 @@ def worker_momentum_masking(rank: int, world: int) -> None:
     for codec, opts, make_opt in cases:
         ddp = make_ddp()
         opt = make_opt(ddp.parameters())
-        state = commpress.ddp.register(ddp, codec, optimizer=opt, min_numel=0, **opts)
+        with _captured_warnings() as warned:
+            state = commpress.ddp.register(ddp, codec, optimizer=opt, min_numel=0, **opts)
+        # random-k with Adam is allowed, but the user is told it tracks dense poorly
+        assert any("prefer \"topk\" with Adam" in m for m in warned) == (codec == "randomk"), (codec, warned)
         assert state.momentum_masking, codec
         for step in range(4):
             train_step(ddp, opt, rank, step)
