@@ -7,10 +7,12 @@ take-over of an optimizer's param groups directly.
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from commpress.ddp.state import CompressionState
 from commpress.ddp.optim import GROUP_KEY, MomentumRule, check_rule, take_over_momentum
 
 import ddp_workers as w
@@ -77,6 +79,27 @@ def test_frozen_variance_adam_bounds_updates_by_the_window(window: float) -> Non
     opt.step()
     moved = float((w_.detach() - before).abs().max())
     assert moved == pytest.approx(window * 1e-2 * (1 - 0.9) / (1 - 0.999) ** 0.5, rel=1e-5)
+
+
+@pytest.mark.parametrize("rule", [MomentumRule(0.9), MomentumRule(0.8, 0.5), MomentumRule(0.9, 0.9)])
+def test_velocity_update_is_the_rule_and_a_non_finite_gradient_leaves_the_velocity(rule: MomentumRule) -> None:
+    """``apply_momentum``'s one-pass update (SGD's add, a damped one, Adam's lerp) against the formula."""
+    gen = torch.Generator().manual_seed(0)
+    u0, g = torch.randn(1000, generator=gen), torch.randn(1000, generator=gen)
+    param = SimpleNamespace(name="w", numel=1000, compressed=True)
+    fake = SimpleNamespace(momentum_rules={"w": rule}, velocity={"w": u0.clone()}, _momentum_as_gain=lambda p: False)
+    plan = SimpleNamespace(params=[param], offsets=[0])
+    buffer = g.clone()
+    CompressionState.apply_momentum(fake, plan, buffer)
+    expected = rule.momentum * u0 + (1 - rule.dampening) * g
+    torch.testing.assert_close(buffer, expected)
+    torch.testing.assert_close(fake.velocity["w"], expected)
+    kept = fake.velocity["w"].clone()
+    bad = g.clone()
+    bad[7] = float("nan")
+    CompressionState.apply_momentum(fake, plan, bad)
+    assert torch.equal(fake.velocity["w"], kept)  # the velocity never takes a NaN
+    assert not bool(torch.isfinite(bad).all())  # and the gradient stays non-finite: the step is voided
 
 
 def test_value_blind_codecs_apply_momentum_as_a_gain() -> None:
