@@ -76,8 +76,11 @@ def with_warmup(method: str, steps: int) -> str:
 
 
 def launch(net: ShapedNetwork, world: int, workload: str, steps: int, eval_every: int, port: int,
-           timeout: float, methods: list[str], extra: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Run one rank per host (``extra``: more runner options); return rank 0's JSON."""
+           timeout: float, methods: list[str], extra: tuple[str, ...] = (), pin: bool = False) -> dict[str, Any]:
+    """Run one rank per host (``extra``: more runner options); return rank 0's JSON.
+
+    ``pin``: rank ``r`` runs on CPU ``r % cpu_count`` only (``taskset``), as if each host had its own.
+    """
     out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
     env = {**os.environ, "GLOO_SOCKET_IFNAME": net.ifname}
     procs = []
@@ -86,6 +89,8 @@ def launch(net: ShapedNetwork, world: int, workload: str, steps: int, eval_every
                 "--master", net.addr(0), "--port", str(port), "--workload", workload, "--steps", str(steps),
                 "--eval-every", str(eval_every), "--methods", ";".join(methods), "--out", out,
                 "--timeout", str(min(timeout, 300)), *extra]
+        if pin:
+            argv = ["taskset", "-c", str(r % (os.cpu_count() or 1)), *argv]
         procs.append(subprocess.Popen(net.command(r, argv), env=env))
     deadline = time.monotonic() + timeout
     try:
@@ -389,6 +394,8 @@ def main() -> int:
     ap.add_argument("--methods", help="semicolon-separated methods (default: every method of the mode)")
     ap.add_argument("--doc", default=os.path.join(ROOT, "docs", "benchmarks.md"))
     ap.add_argument("--img", default=os.path.join(ROOT, "docs", "img"))
+    ap.add_argument("--pin", action="store_true",
+                    help="speed runs: pin rank r to CPU r %% cpu_count (steadier step times on a small host)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per launch before it is killed")
     args = ap.parse_args()
     if args.tta:
@@ -407,7 +414,8 @@ def main() -> int:
     for link, world in tqdm(configs, desc="speed runs (link x ranks)", file=sys.stderr):
         with ShapedNetwork(world, None if link == "unshaped" else link) as net:
             shaped = net.shaped
-            runs[(link, world)] = launch(net, world, "speed", args.steps, 0, port, args.timeout, methods)
+            runs[(link, world)] = launch(net, world, "speed", args.steps, 0, port, args.timeout, methods,
+                                         pin=args.pin)
         port += 1
     if args.json:
         with open(args.json, "w") as f:

@@ -80,9 +80,10 @@ def main(path: str) -> None:
             err = predicted / measured - 1
             errs.append(abs(err))
             choice = " (" + "/".join(b["option"] for b in rs[m]["auto"]) + ")" if m.startswith("cp-auto") else ""
-            print(f"| {key[0]} | {key[1]} | {m}{choice} | {measured:.3f} | {predicted:.3f} | {100 * err:+.0f}% |")
-    print(f"\ncompute C per world size: {compute}; mean |error| {100 * sum(errs) / len(errs):.0f}%, "
-          f"max {100 * max(errs):.0f}%", file=sys.stderr)
+            print(f"| {key[0]} | {key[1]} | {m}{choice} | {measured:.3f} | {predicted:.3f} | {100 * err:+.1f}% |")
+    within = sum(e <= 0.15 for e in errs)
+    print(f"\ncompute C per world size: {compute}; mean |error| {100 * sum(errs) / len(errs):.1f}%, "
+          f"max {100 * max(errs):.1f}%; within 15%: {within} of {len(errs)}", file=sys.stderr)
 
 
 if __name__ == "__main__":
