@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from commpress.ddp.state import CompressionState
 from commpress.ddp.optim import GROUP_KEY, MomentumRule, check_rule, take_over_momentum
+from commpress.ddp.state import CompressionState
 
 import ddp_workers as w
 import optim_workers as ow
