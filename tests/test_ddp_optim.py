@@ -83,7 +83,7 @@ def test_frozen_variance_adam_bounds_updates_by_the_window(window: float) -> Non
 
 @pytest.mark.parametrize("rule", [MomentumRule(0.9), MomentumRule(0.8, 0.5), MomentumRule(0.9, 0.9)])
 def test_velocity_update_is_the_rule_and_a_non_finite_gradient_leaves_the_velocity(rule: MomentumRule) -> None:
-    """``apply_momentum``'s one-pass update (SGD's add, a damped one, Adam's lerp) against the formula."""
+    """``apply_momentum``'s velocity (SGD's rule, a damped one, Adam's ``b1`` rule) against the formula."""
     gen = torch.Generator().manual_seed(0)
     u0, g = torch.randn(1000, generator=gen), torch.randn(1000, generator=gen)
     param = SimpleNamespace(name="w", numel=1000, compressed=True)
