@@ -3,8 +3,8 @@
     python scripts/bench_hook_overhead.py                     # the default cases, 3 rounds, 60 steps
     python scripts/bench_hook_overhead.py --steps 30 --rounds 2 --cases dense "none" "none@momentum=0.9"
 
-Workload: the e2e speed model (``digits_mlp(4096, 4096)``, 17M parameters, batch 64), 2 gloo
-ranks on loopback, one thread each, the user's ``SGD(lr=0.05, momentum=0.9)``. A case is
+Workload: ``bench_e2e``'s speed workload (``commpress.demo.runner.Workload("speed")``: the 17M
+MLP, batch 64, ``SGD(lr=0.05, momentum=0.9)``), 2 gloo ranks on loopback, one thread each. A case is
 ``dense`` (no hook) or ``CODEC[@option=value,...]`` registered with ``optimizer=opt``, except that
 ``momentum=M`` instead moves the momentum into the hook by hand (the optimizer then runs without).
 Cases alternate within each round, so drift on a shared machine hits them alike; the script prints
@@ -23,7 +23,6 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 DEFAULT_CASES = ["dense", "none", "none@momentum=0.9", "auto@auto_margin=0.99"]
@@ -44,35 +43,33 @@ def parse_case(case: str) -> tuple[str, dict[str, object]]:
 
 def worker(rank: int, world: int, port: int, case: str, steps: int, out: str) -> None:
     """One rank: 3 untimed steps, then ``steps`` timed ones between barriers; rank 0 writes ms/step."""
-    from commpress.demo.workloads import digits_arrays, digits_mlp
+    from commpress.demo.runner import Workload
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    x, y = digits_arrays()
-    torch.manual_seed(0)
-    ddp = DDP(digits_mlp(4096, 4096))
+    work = Workload("speed", rank, world=world)  # bench_e2e's speed model, batches and optimizer
+    ddp = DDP(work.model(), bucket_cap_mb=work.bucket_cap_mb)
     name, options = parse_case(case)
     momentum = options.pop("momentum", None)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.0 if momentum else 0.9)
+    opt = work.optimizer(ddp.parameters(), momentum=0.0 if momentum else 0.9)
     if name != "dense":
         import commpress.ddp
 
         owner = {"momentum": momentum} if momentum else {"optimizer": opt}
         commpress.ddp.register(ddp, name, **owner, **options)
 
-    def run(k: int) -> None:
-        for s in range(k):
-            i = (s * 64) % 1600
-            loss = nn.functional.cross_entropy(ddp(x[i : i + 64]), y[i : i + 64])
-            opt.zero_grad()
+    def run(first: int, k: int) -> None:
+        for step in range(first, first + k):
+            loss = work.loss(ddp, step)
+            opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
 
-    run(3)
+    run(0, 3)
     dist.barrier()
     start = time.perf_counter()
-    run(steps)
+    run(3, steps)
     dist.barrier()
     if rank == 0:
         with open(out, "w") as f:
