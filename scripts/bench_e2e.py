@@ -437,8 +437,9 @@ def main() -> int:
         f"{os.cpu_count()} CPU cores, gloo; links {'shaped with tc tbf in network namespaces' if shaped else 'NOT shaped (no root): loopback'}.",
         "Speed workload: 17M-parameter MLP (digits), batch 64 per rank, median of the timed steps. "
         "Wire MB/step: per rank; 'claimed' is what the hook reports (ring all-reduce estimate for "
-        "the baselines), 'measured' is the interface's tx counter. commpress methods use DGC "
-        "momentum correction (momentum 0.9 in the hook, plain SGD); baselines use SGD momentum 0.9.",
+        "the baselines), 'measured' is the interface's tx counter. Every method trains with "
+        "SGD(lr=0.05, momentum=0.9), passed to commpress as `optimizer=` (its momentum moves into the "
+        "hook: DGC momentum correction; `auto` hands it back while every bucket is exact), no warm-up.",
         "",
         *speed_table(runs),
         "",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -11,7 +12,13 @@ import commpress
 import commpress.ddp
 from commpress.comm.costmodel import OPTIONS, Link
 
-from ddp_workers import assert_all_ranks, assert_same_across_ranks, make_ddp, train_step
+from ddp_workers import (
+    assert_all_ranks,
+    assert_same_across_ranks,
+    flat_params,
+    make_ddp,
+    train_step,
+)
 
 FAST = Link(1e-6, 1e-12)  # ~8000 Gbit/s: dense is always cheapest
 SLOW = Link(1e-3, 8.0 / 1e6)  # 1 Mbit/s: compressing pays for every bucket with a compressed tensor
@@ -90,8 +97,69 @@ def worker_forced(rank: int, world: int) -> None:
         train_step(ddp, opt, rank, step)
     assert all(r["option"] == "dense" for r in state.auto.report())
     _same_everywhere(_choices(state), "forced choices")
+    # every bucket exact and flushed since step 8: the optimizer applies SGD momentum again, from
+    # the velocities averaged over ranks (identical buffers everywhere), and the hook keeps none
+    assert_all_ranks(state.momentum_in_optimizer and not state.velocity, "momentum not handed back to the optimizer")
+    assert all(g["momentum"] == 0.9 for g in opt.param_groups), opt.param_groups
+    buffers = torch.cat([opt.state[p]["momentum_buffer"].reshape(-1) for p in ddp.parameters()])
+    _same_everywhere([zlib.crc32(buffers.numpy().tobytes())], "handed-back momentum buffers")
+    saved = state.state_dict()["velocity"]  # a checkpoint now holds the buffers as the velocities
+    assert set(saved) == set(state.momentum_rules) and torch.equal(
+        torch.cat([saved[n].reshape(-1) for n, _ in ddp.module.named_parameters()]), buffers)
+    # the network slows down again: at the next decision (step 19) buckets compress and the hook
+    # takes the momentum back before they do
+    state.auto.set_link(SLOW)
+    for step in range(17, 23):
+        train_step(ddp, opt, rank, step)
+        assert_same_across_ranks(ddp, f"slow again, step {step}")
+        if step == 19:
+            assert_all_ranks(not state.momentum_in_optimizer and len(state.velocity) == len(state.momentum_rules),
+                             "the hook did not take the momentum back")
+            assert all(g["momentum"] == 0 for g in opt.param_groups)
+    assert state.stats()["auto_compressed_buckets"] >= 1 and state.stats()["momentum_handovers"] == 2
     assert_all_ranks(bool(torch.isfinite(torch.cat([p.detach().reshape(-1) for p in ddp.parameters()])).all()),
                      "non-finite parameters")
+
+
+def worker_momentum_handover(rank: int, world: int) -> None:
+    """Every bucket dense: after one step SGD's own momentum runs, and training is SGD's; a
+    checkpoint taken then resumes into the hook's velocity and continues identically."""
+    for optim in ({"momentum": 0.9}, {"momentum": 0.9, "nesterov": True}):
+        ref = make_ddp()
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, **optim)
+        ddp = make_ddp()
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, **optim)
+        state = commpress.ddp.register(ddp, "auto", optimizer=opt, auto_link=FAST, auto_interval=2)
+        for step in range(6):
+            train_step(ref, ref_opt, rank, step)
+            train_step(ddp, opt, rank, step)
+            assert_all_ranks(state.momentum_in_optimizer, f"{optim}: momentum not in the optimizer after step {step}")
+        diff = float((flat_params(ref) - flat_params(ddp)).abs().max())
+        assert_all_ranks(diff < 1e-5, f"{optim}: handed-back momentum differs from SGD's by {diff}")
+        assert state.stats()["momentum_handovers"] == 1
+        # resume in a fresh process's order: model, optimizer, register, then the two checkpoints
+        saved, saved_opt = state.state_dict(), opt.state_dict()
+        resumed = make_ddp()
+        resumed.module.load_state_dict(ddp.module.state_dict())
+        resumed_opt = torch.optim.SGD(resumed.parameters(), lr=0.05, **optim)
+        resumed_state = commpress.ddp.register(resumed, "auto", optimizer=resumed_opt, auto_link=FAST, auto_interval=2)
+        resumed_opt.load_state_dict(saved_opt)
+        resumed_state.load_state_dict(saved)
+        assert not resumed_state.momentum_in_optimizer and all(g["momentum"] == 0 for g in resumed_opt.param_groups)
+        for step in range(6, 10):
+            train_step(ddp, opt, rank, step)
+            train_step(resumed, resumed_opt, rank, step)
+        diff = float((flat_params(resumed) - flat_params(ddp)).abs().max())
+        assert_all_ranks(diff < 1e-5 and resumed_state.momentum_in_optimizer, f"{optim}: resumed run differs by {diff}")
+        # loaded into a live state whose optimizer holds the momentum: the hook takes it, no buffer is left
+        state.load_state_dict(state.state_dict())
+        assert not state.momentum_in_optimizer and all(g["momentum"] == 0 for g in opt.param_groups)
+        assert not any("momentum_buffer" in opt.state[p] for p in ddp.parameters())
+        for step in range(10, 12):
+            train_step(ddp, opt, rank, step)
+            train_step(resumed, resumed_opt, rank, step)
+        diff = float((flat_params(resumed) - flat_params(ddp)).abs().max())
+        assert_all_ranks(diff < 1e-5, f"{optim}: reloaded live state differs by {diff}")
 
 
 def worker_fp16_send_buffer(rank: int, world: int) -> None:
@@ -118,3 +186,4 @@ def worker_both(rank: int, world: int, steps: int) -> None:
     worker_calibrated(rank, world, steps)
     worker_forced(rank, world)
     worker_fp16_send_buffer(rank, world)
+    worker_momentum_handover(rank, world)

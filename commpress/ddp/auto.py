@@ -213,6 +213,8 @@ class AutoPolicy:
         self._buckets: dict[int, BucketChoice] = {}  # id(BucketPlan) -> choice
         self._by_index: dict[int, BucketChoice] = {}  # DDP bucket index -> its latest choice
         self._used: dict[int, BucketChoice] = {}  # since the last decision
+        self._this_step: dict[int, BucketChoice] = {}  # DDP bucket index -> choice, this step so far
+        self._last_step: dict[int, BucketChoice] = {}  # the same, of the last step that consulted the policy
         self._work_predicted = 0.0  # predicted encode+decode seconds of the compressed runs since then
         self._work_seen = -1.0  # the counters' encode_s + decode_s at the last decision (-1: not yet)
         self.device_scale = 1.0  # measured / calibrated encode+decode time, from the last decision
@@ -336,6 +338,7 @@ class AutoPolicy:
             self._buckets[id(plan)] = b
         b.index = index
         self._by_index[index] = b
+        self._this_step[index] = b
         self._used[id(plan)] = b
         return b.option
 
@@ -373,6 +376,8 @@ class AutoPolicy:
     # ----- periodic decision -------------------------------------------------------------------
     def end_step(self, step: int, device: torch.device | str) -> None:
         """After step ``step``'s last bucket: every ``interval`` steps, re-decide (all ranks)."""
+        if self._this_step:
+            self._last_step, self._this_step = self._this_step, {}
         if (step + 1) % self.interval or not self._used:
             return
         used = sorted(self._used.values(), key=lambda b: b.index)
@@ -397,6 +402,16 @@ class AutoPolicy:
                     b.measured[o] = v
         for b in self._buckets.values():
             self.decide(b)
+
+    def all_exact(self) -> bool:
+        """True when the last step's buckets all reduce dense or fp16 and hold no residual.
+
+        Nothing is compressed then, so SGD momentum needs no correction in the hook and goes back
+        to the optimizer (:meth:`CompressionState.place_momentum`). The same on every rank.
+        """
+        return bool(self._last_step) and all(
+            b.option != "compressed" and not b.needs_flush for b in self._last_step.values()
+        )
 
     def rescale_device(self, factor: float) -> None:
         """Multiply the device costs' encode and decode by ``factor`` (measured / predicted); re-predict."""

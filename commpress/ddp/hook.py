@@ -59,7 +59,9 @@ def _reduce(state: CompressionState, bucket: dist.GradBucket, buffer: torch.Tens
     option = None
     if state.auto is not None and warmup_codec is None and not dense:
         option = state.auto.choose(plan, bucket.index())
-    if state.momentum_rules:
+        if option == "compressed" and state.momentum_in_optimizer:
+            option = "dense"  # decided mid-step: it compresses once the hook has the momentum back
+    if state.momentum_rules and not state.momentum_in_optimizer:
         state.apply_momentum(plan, buffer, compressing=warmup_codec is None and not dense and option in (None, "compressed"))
     if warmup_codec is not None:  # warm-up through an unbiased codec: no residuals to keep or flush
         seeds = [state.param_seed(p) for p in plan.params]

@@ -120,6 +120,35 @@ def take_over_momentum(
     return rules, buffers
 
 
+def give_back_momentum(
+    optimizer: torch.optim.Optimizer, names: Mapping[int, str], velocities: Mapping[str, torch.Tensor]
+) -> int:
+    """Undo :func:`take_over_momentum`: the optimizer applies its momentum again.
+
+    ``codec="auto"`` does this while every bucket is reduced exactly (see
+    :meth:`CompressionState.place_momentum`).
+    Each group's settings come back from ``group["commpress_momentum"]``; ``velocities`` (by
+    parameter name, flat, the *average* over ranks so that every rank steps alike) become the
+    ``momentum_buffer`` entries, in the parameter's dtype. A parameter without one starts its
+    buffer from its next gradient, as ``torch.optim.SGD`` does. Returns the buffers set.
+    """
+    given = 0
+    for group in optimizer.param_groups:
+        taken = group.get(GROUP_KEY)
+        if not taken or not taken.get("momentum"):
+            continue
+        group["momentum"] = float(taken["momentum"])
+        group["dampening"] = float(taken.get("dampening", 0.0))
+        if "nesterov" in group:
+            group["nesterov"] = bool(taken.get("nesterov", False))
+        for p in group["params"]:
+            v = velocities.get(names.get(id(p), ""))
+            if v is not None:
+                optimizer.state[p]["momentum_buffer"] = v.detach().reshape(p.shape).to(p.dtype, copy=True)
+                given += 1
+    return given
+
+
 def check_rule(value: Any, what: str) -> MomentumRule:
     """Validate a checkpointed ``[momentum, dampening, nesterov]``; ValueError naming ``what``."""
     if not isinstance(value, (list, tuple)) or len(value) != 3:
@@ -274,5 +303,5 @@ DEFAULT_WARMUP_CODEC = "qsgd:bits=8"
 
 __all__ = [
     "DEFAULT_WARMUP_CODEC", "DEFAULT_WARMUP_STEPS", "FrozenVarianceAdam", "GROUP_KEY", "MomentumRule", "adam_unsupported", "check_rule",
-    "has_momentum", "is_adam_like", "is_sgd_like", "take_over_momentum",
+    "give_back_momentum", "has_momentum", "is_adam_like", "is_sgd_like", "take_over_momentum",
 ]

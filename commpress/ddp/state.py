@@ -28,6 +28,7 @@ from .optim import (
     MomentumRule,
     adam_unsupported,
     check_rule,
+    give_back_momentum,
     has_momentum,
     is_adam_like,
     is_sgd_like,
@@ -143,7 +144,7 @@ class CompressionState(checkpoint.StateFile):
         "warmup_steps", "warmup_codec", "seed", "step", "plans", "plans_by_id", "feedback", "server_feedback",
         "momentum", "momentum_masking", "velocity", "_bucket_plans", "_stats", "momentum_rules",
         "optimizer", "guard", "adam", "_verify_pending", "_stats_from_step", "auto",
-        "faults",
+        "faults", "_param_names", "_momentum_in_optimizer", "_handovers",
     )
 
     def __init__(
@@ -204,6 +205,9 @@ class CompressionState(checkpoint.StateFile):
         self.momentum_rules: dict[str, MomentumRule] = {}
         self.optimizer = optimizer
         self.adam: FrozenVarianceAdam | None = None
+        self._param_names: dict[int, str] | None = None  # id(parameter) -> name, once SGD momentum is taken
+        self._momentum_in_optimizer = False  # auto, every bucket exact: the optimizer applies it (place_momentum)
+        self._handovers = 0
         check_algorithm(algorithm, self.codec)  # bad names fail before any process-group check
         if error_feedback and self.codec.unbiased and not isinstance(self.codec, NoneCodec):
             logger.warning(
@@ -352,15 +356,100 @@ class CompressionState(checkpoint.StateFile):
         for name, buf in buffers.items():
             self.velocity.setdefault(name, buf.detach().reshape(-1).to(residual_dtype(buf.dtype), copy=True))
 
-        def resync(*_: Any) -> None:  # after load_state_dict, and before every step (schedulers)
-            self.momentum_rules, found = take_over_momentum(optimizer, names)
+        self._param_names = names
+
+        def resync(*_: Any) -> None:  # before every step (schedulers)
+            if not self._momentum_in_optimizer:  # handed back, a scheduler's change is the optimizer's
+                self._take_momentum()
+
+        def reload(*_: Any) -> None:  # the loaded groups and buffers decide; the hook takes them
+            self._momentum_in_optimizer = False
+            self._take_momentum()
+
+        optimizer.register_load_state_dict_post_hook(reload)
+        optimizer.register_step_pre_hook(resync)
+        optimizer.register_step_post_hook(lambda *_: self.place_momentum())
+        logger.info("commpress: %s momentum moved into the hook for %d parameters",
+                    type(optimizer).__name__, len(self.momentum_rules))
+
+    # ----- where SGD momentum is applied: the hook, or the optimizer while auto is exact ---------
+    @property
+    def momentum_in_optimizer(self) -> bool:
+        """True while the optimizer applies its own SGD momentum again (``codec="auto"``, every bucket exact)."""
+        return self._momentum_in_optimizer
+
+    def place_momentum(self) -> None:
+        """After ``optimizer.step()``: put SGD momentum where the next step needs it (all ranks alike).
+
+        Momentum correction is needed only where a bucket compresses. While ``codec="auto"``
+        reduces every bucket dense or fp16 and no residual is left (:meth:`AutoPolicy.all_exact`),
+        the velocities, averaged over ranks once, go back to the optimizer as its
+        ``momentum_buffer`` and it applies its momentum itself: the same update (averaging is
+        linear), with SGD's own fused passes where the hook's cost 6-7% of a step
+        (``scripts/bench_hook_overhead.py``). When a bucket is to compress again the hook takes
+        the buffers back as every rank's velocity. Weight decay then goes through the momentum,
+        as ``torch.optim.SGD`` defines it, instead of being applied once per step.
+        """
+        if self._param_names is None or self.optimizer is None or not self.momentum_rules:
+            return
+        want = self.auto is not None and self.auto.all_exact()
+        if want == self._momentum_in_optimizer:
+            return
+        if want:
+            self._give_momentum()
+        else:
+            self._take_momentum()
+        self._handovers += 1
+        logger.info("commpress: step %d: SGD momentum now applied by the %s", self.step,
+                    "optimizer (every bucket exact)" if want else "hook (a bucket compresses)")
+
+    def _take_momentum(self, keep_velocity: bool = False) -> None:
+        """The hook applies the momentum: groups' momentum to 0, buffers (unless ``keep_velocity``) to velocities."""
+        assert self.optimizer is not None and self._param_names is not None
+        self._momentum_in_optimizer = False
+        self.momentum_rules, found = take_over_momentum(self.optimizer, self._param_names)
+        if not keep_velocity:
             for name, buf in found.items():
                 self.velocity[name] = buf.detach().reshape(-1).to(residual_dtype(buf.dtype), copy=True)
 
-        optimizer.register_load_state_dict_post_hook(resync)
-        optimizer.register_step_pre_hook(resync)
-        logger.info("commpress: %s momentum moved into the hook for %d parameters",
-                    type(optimizer).__name__, len(self.momentum_rules))
+    def _give_momentum(self) -> None:
+        """The optimizer applies the momentum: the velocities averaged over ranks become its buffers."""
+        assert self.optimizer is not None and self._param_names is not None
+        names = sorted(self.momentum_rules)  # the same on every rank (checked at registration)
+        averaged: dict[str, torch.Tensor] = {}
+        by_dtype: dict[torch.dtype, list[str]] = {}
+        for name in names:
+            by_dtype.setdefault(residual_dtype(self.plans[name].dtype), []).append(name)
+        device = self.auto.tensor_device if self.auto is not None else torch.device("cpu")
+        for dtype, group in sorted(by_dtype.items(), key=lambda kv: str(kv[0])):
+            # each velocity, or zeros where this rank has none, then one count per parameter
+            parts = [self.velocity[n].reshape(-1).to(dtype) if n in self.velocity
+                     else torch.zeros(self.plans[n].numel, dtype=dtype, device=device) for n in group]
+            parts.append(torch.tensor([float(n in self.velocity) for n in group], dtype=dtype, device=device))
+            flat = torch.cat(parts)
+            if self.world_size > 1:
+                dist.all_reduce(flat, group=self.process_group)
+            counts = flat[-len(group):].tolist()
+            offset = 0
+            for n, count in zip(group, counts):
+                numel = self.plans[n].numel
+                if count > 0:
+                    averaged[n] = flat[offset : offset + numel].div_(count)
+                offset += numel
+        self.velocity = {}
+        give_back_momentum(self.optimizer, self._param_names, averaged)
+        self._momentum_in_optimizer = True
+
+    def _velocities(self) -> dict[str, torch.Tensor]:
+        """The velocities to checkpoint: the hook's, or the optimizer's buffers while it has them."""
+        if not self._momentum_in_optimizer or self.optimizer is None or self._param_names is None:
+            return {k: v.detach().clone() for k, v in self.velocity.items()}
+        out = {}
+        for p, name in ((p, self._param_names.get(id(p))) for g in self.optimizer.param_groups for p in g["params"]):
+            buf = self.optimizer.state.get(p, {}).get("momentum_buffer")
+            if name is not None and isinstance(buf, torch.Tensor):
+                out[name] = buf.detach().reshape(-1).to(residual_dtype(buf.dtype), copy=True)
+        return out
 
     def _adopt_adam(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, masking: bool | None) -> None:
         """Adam/AdamW: compressed momentum with the variance frozen after the dense warm-up."""
@@ -571,6 +660,9 @@ class CompressionState(checkpoint.StateFile):
         s.update(self.guard.stats())
         if self.auto is not None:
             s.update(self.auto.stats())
+        if self._param_names is not None:
+            s["momentum_in_optimizer"] = float(self._momentum_in_optimizer)
+            s["momentum_handovers"] = float(self._handovers)
         return s
 
     def end_step(self, device: torch.device | str) -> None:
@@ -618,7 +710,7 @@ class CompressionState(checkpoint.StateFile):
             "shapes": {p.name: list(p.shape) for p in self.plans.values() if p.compressed},
             "momentum": self.momentum,
             "momentum_rules": {k: r.as_list() for k, r in self.momentum_rules.items()},
-            "velocity": {k: v.detach().clone() for k, v in self.velocity.items()},
+            "velocity": self._velocities(),
             "guard": self.guard.state(),
             "stats": self._stats.as_dict(),
             "stats_from_step": self._stats_from_step,
@@ -710,6 +802,8 @@ class CompressionState(checkpoint.StateFile):
         if "guard" in state:
             self.guard.load(state["guard"])
         self.feedback, self.server_feedback = worker, server
+        if self._momentum_in_optimizer:  # the checkpoint's velocities are the momentum now: the hook applies it
+            self._take_momentum(keep_velocity=True)
         self.velocity = velocity
         self.step, self.seed = step, seed
         self._stats.load(stats.as_dict())  # in place: the collectives hold this object

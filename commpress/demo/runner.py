@@ -17,8 +17,10 @@ Workloads (models and data from :mod:`.workloads`):
 - ``wide-digits``: the communication-bound SGD workload: MLP 64-4096-4096-10 (17M parameters,
   a 67 MB gradient) on the same split, the user's ``SGD(lr=0.05, momentum=0.9)``, batch 64;
   held-out loss and accuracy.
-- ``speed`` (17M-parameter MLP on digits) and ``quality`` (small byte-level transformer):
-  the earlier e2e workloads, SGD with momentum 0.9 moved into the hook (DGC momentum correction).
+- ``speed``: the 17M-parameter MLP on digits that only times steps; the user's ``SGD(lr=0.05,
+  momentum=0.9)`` passed as ``optimizer=``, no warm-up steps (it times the steady state).
+- ``quality`` (small byte-level transformer): the earlier e2e workload, SGD with momentum 0.9
+  given to the hook by hand (``momentum=``, DGC momentum correction).
 
 Methods: ``allreduce`` (DDP, no hook), ``fp16`` (PyTorch's fp16_compress_hook),
 ``powersgd`` (PyTorch's PowerSGD, rank 4, one bucket: on gloo it needs a single bucket),
@@ -104,8 +106,8 @@ class Workload:
     """Model, data, optimizer, loss and held-out metrics of one workload, seen from one rank.
 
     ``user_optimizer`` workloads (``lm``, ``digits``) train with the optimizer a user would
-    bring and register commpress as a user would; the older ``speed`` / ``quality`` ones move
-    SGD's momentum into the hook.
+    bring and register commpress as a user would; ``speed`` passes its SGD as ``optimizer=``
+    too (no warm-up); only ``quality`` (:attr:`hook_momentum`) gives the hook ``momentum=``.
     """
 
     def __init__(self, kind: str, rank: int, batch: int | None = None, lr: float | None = None, world: int = 1) -> None:
@@ -113,6 +115,7 @@ class Workload:
             raise ValueError(f"workload must be one of {WORKLOADS}, got {kind!r}")
         self.kind, self.rank, self.world = kind, rank, world
         self.user_optimizer = kind in ("lm", *DIGITS_SPLIT)
+        self.hook_momentum = kind == "quality"  # SGD momentum given to the hook by hand (momentum=)
         self.bucket_cap_mb = 1.0 if kind == "digits" else 25.0
         default_batch = {"lm": 4, "digits": 35, "wide-digits": 64, "speed": 64, "quality": 16}[kind]
         self.batch = batch if batch is not None else default_batch
@@ -137,7 +140,7 @@ class Workload:
         return digits_mlp(4096, 4096) if self.kind in ("speed", "wide-digits") else ByteLM(dim=128, layers=2, context=64)
 
     def optimizer(self, params: Any, momentum: float = MOMENTUM) -> torch.optim.Optimizer:
-        """The optimizer of this workload (``momentum``: only for the hook-momentum workloads)."""
+        """The optimizer of this workload (``momentum``: only for :attr:`hook_momentum` and ``speed``)."""
         if self.kind == "lm":
             return torch.optim.AdamW(params, lr=self.lr)
         if self.kind in DIGITS_SPLIT:
@@ -192,15 +195,15 @@ def register_commpress(method: str, ddp: DDP, opt: torch.optim.Optimizer, work: 
     hook_options = parse_params(options, f"method {method!r}")
     name, _, params = spec.partition(":")
     codec_params = parse_params(params, f"method {method!r}")
-    if not work.user_optimizer:
+    if work.hook_momentum:
         # DGC momentum correction: the hook keeps the velocity, the optimizer has none. The codec
         # goes by name with its parameters, as users register it (random-k: DDP's unscaled
         # default with error feedback, not the codec's scaled one); "auto" takes its candidate
         # codec as options (cp-auto:auto_codec=topk,ratio=0.01)
         kwargs = {"momentum": MOMENTUM, **codec_params, **hook_options}
-        if work.kind == "speed":  # it times the steady state: no default warm-up steps
-            kwargs.setdefault("warmup_steps", 0)
         return commpress_ddp.register(ddp, name, **kwargs), False
+    if work.kind == "speed":  # it times the steady state: no default warm-up steps
+        hook_options.setdefault("warmup_steps", 0)
     takes_optimizer = "optimizer" in inspect.signature(commpress_ddp.register).parameters
     if takes_optimizer:
         hook_options.setdefault("optimizer", opt)
@@ -218,8 +221,8 @@ def run_method(method: str, work: Workload, steps: int, warmup: int, eval_every:
     state = None
     with_optimizer = False
     numel = dense_numel(module)
-    # the user's optimizer; the hook-momentum workloads drop its momentum under commpress
-    opt = work.optimizer(module.parameters(), momentum=0.0 if name.startswith("cp-") else MOMENTUM)
+    # the user's optimizer; the hook-momentum workload drops its momentum under commpress
+    opt = work.optimizer(module.parameters(), momentum=0.0 if name.startswith("cp-") and work.hook_momentum else MOMENTUM)
     if name == "allreduce":
         claimed = 4 * numel
     elif name == "fp16":
