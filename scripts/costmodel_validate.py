@@ -8,9 +8,11 @@ Every ``cp-auto`` run reports, per bucket, the seconds the model predicts for ea
 calibrated in that network, device costs of its candidate codec). The ``dense`` / ``fp16``
 predictions stand for PyTorch's all-reduce and fp16 hook, an auto run's ``compressed`` one for the
 fixed method of its candidate (``cp-auto:auto_codec=qsgd`` -> ``cp-qsgd``; plain ``cp-auto`` -> its
-default candidate with ``momentum=``, as the speed workload registers it: ``cp-topk:ratio=0.01``
-at 2 ranks, ``cp-sign`` at 4), and each
-auto run's chosen options for itself. The compute time ``C_w`` = measured dense step - predicted
+default candidate when the hook owns SGD's momentum, as the speed workload's ``optimizer=`` gives
+it: ``cp-topk:ratio=0.01`` at 2 ranks, ``cp-sign`` at 4), and each auto run's chosen options for
+itself. Every round of a method list calibrates anew, so each prediction is the median over the
+rounds' auto runs (an auto method's own: over its rounds, each with that round's choices), set
+against the median measured step. The compute time ``C_w`` = measured dense step - predicted
 dense reduction (unshaped, ``w`` ranks); predicted step = ``C_w`` + the sum over buckets. Prints a
 markdown table with the error per row and the mean / max error.
 """
@@ -26,7 +28,7 @@ def fixed_method(auto_method: str, world: int) -> str:
     """The fixed method an auto run's ``compressed`` option stands for at ``world`` ranks."""
     params = dict(p.split("=", 1) for p in auto_method.partition(":")[2].split(",") if "=" in p)
     codec = params.pop("auto_codec", None)
-    if codec is None:  # the speed workload registers with momentum= (the hook owns the momentum)
+    if codec is None:  # the speed workload passes SGD(momentum=0.9) as optimizer=: the hook owns the momentum
         from commpress.ddp.auto import default_candidate
 
         codec, defaults, _ = default_candidate(None, momentum=0.9, world_size=world)
@@ -46,19 +48,27 @@ def results(run: dict) -> dict[str, dict]:
     return out
 
 
-def predictions(rs: dict[str, dict], world: int) -> dict[str, float]:
-    """Predicted reduction seconds per method present in the run (compute excluded)."""
+def predictions(run: dict, world: int) -> dict[str, float]:
+    """Predicted reduction seconds per method present in the run (compute excluded), median over rounds."""
     def total(report: list[dict], option: str) -> float:
         return sum(b["predicted_s"][option] for b in report if option in b["predicted_s"])
 
-    autos = {m: r["auto"] for m, r in rs.items() if m.startswith("cp-auto") and r.get("auto")}
-    out: dict[str, float] = {}
-    for m, report in autos.items():
-        out.setdefault("allreduce", total(report, "dense"))
-        out.setdefault("fp16", total(report, "fp16"))
-        out[fixed_method(m, world)] = total(report, "compressed")
-        out[m] = sum(b["predicted_s"][b["option"]] for b in report)
-    return out
+    per: dict[str, list[float]] = {}
+    for r in run["results"]:
+        m, report = r["method"], r.get("auto")
+        if not m.startswith("cp-auto") or not report:
+            continue
+        per.setdefault("allreduce", []).append(total(report, "dense"))
+        per.setdefault("fp16", []).append(total(report, "fp16"))
+        per.setdefault(fixed_method(m, world), []).append(total(report, "compressed"))
+        per.setdefault(m, []).append(sum(b["predicted_s"][b["option"]] for b in report))
+    return {m: statistics.median(v) for m, v in per.items()}
+
+
+def choices(run: dict, method: str) -> str:
+    """An auto method's options per round, bucket by bucket (``compressed/dense; ...``)."""
+    return "; ".join("/".join(b["option"] for b in r["auto"]) for r in run["results"]
+                     if r["method"] == method and r.get("auto"))
 
 
 def main(path: str) -> None:
@@ -67,19 +77,19 @@ def main(path: str) -> None:
     compute = {}
     for w in worlds:
         rs = results(runs[("unshaped", w)])
-        compute[w] = rs["allreduce"]["median_step_s"] - predictions(rs, w)["allreduce"]
+        compute[w] = rs["allreduce"]["median_step_s"] - predictions(runs[("unshaped", w)], w)["allreduce"]
     print("| link | ranks | method | measured step (s) | predicted (s) | error |")
     print("|---|---|---|---|---|---|")
     errs = []
     for key, run in runs.items():
         rs = results(run)
-        for m, v in predictions(rs, key[1]).items():
+        for m, v in predictions(run, key[1]).items():
             if m not in rs:
                 continue
             measured, predicted = rs[m]["median_step_s"], compute[key[1]] + v
             err = predicted / measured - 1
             errs.append(abs(err))
-            choice = " (" + "/".join(b["option"] for b in rs[m]["auto"]) + ")" if m.startswith("cp-auto") else ""
+            choice = f" ({choices(run, m)})" if m.startswith("cp-auto") else ""
             print(f"| {key[0]} | {key[1]} | {m}{choice} | {measured:.3f} | {predicted:.3f} | {100 * err:+.1f}% |")
     within = sum(e <= 0.15 for e in errs)
     print(f"\ncompute C per world size: {compute}; mean |error| {100 * sum(errs) / len(errs):.1f}%, "

@@ -28,7 +28,11 @@ usual, e.g. ``auto_codec="topk", ratio=0.01``) and attaches an :class:`AutoPolic
 Error feedback is carried across switches: a bucket that goes dense or fp16 after compressed
 steps first flushes its residuals into the gradient (:meth:`CompressionState.flush_residuals`, as
 the divergence guard's dense steps do), so nothing held back is lost; compressing again starts
-from empty residuals. Warm-up and the guard's dense steps are dense as before. ``state.stats()``
+from empty residuals. Warm-up and the guard's dense steps are dense as before. While every bucket
+is exact (dense or fp16, residuals flushed: :meth:`AutoPolicy.all_exact`), SGD momentum taken from
+``optimizer=`` goes back to the optimizer (:meth:`CompressionState.place_momentum`), so a
+dense-only ``auto`` runs SGD's own momentum instead of the hook's velocity update (6-7% of a step on
+the 17M MLP, ``scripts/bench_hook_overhead.py``); the hook takes it back before a bucket compresses. ``state.stats()``
 reports each bucket's choice and predicted and measured seconds (``auto_b<index>_...``) and
 :meth:`AutoPolicy.report` the same as readable rows with the reason of the last decision.
 

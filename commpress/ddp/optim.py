@@ -19,7 +19,10 @@ param groups have ``momentum`` / ``dampening`` / ``nesterov``):
   the initial velocity, so nothing is lost;
 - learning rate and weight decay stay with the optimizer (weight decay is then not amplified by
   the momentum: for ``weight_decay=w`` the decay per step is ``lr * w``, as in DGC's reference);
-- a scheduler that sets ``momentum`` again (``OneCycleLR``) is followed at the next step.
+- a scheduler that sets ``momentum`` again (``OneCycleLR``) is followed at the next step;
+- :func:`give_back_momentum` undoes it: ``codec="auto"`` hands the momentum back while no bucket
+  compresses (the velocities, averaged over ranks, become ``momentum_buffer``), and takes it
+  again with :func:`take_over_momentum` before one does.
 """
 
 from __future__ import annotations
