@@ -123,16 +123,17 @@ def worker_forced(rank: int, world: int) -> None:
 
 def worker_momentum_handover(rank: int, world: int) -> None:
     """Every bucket dense: after one step SGD's own momentum runs, and training is SGD's; a
-    checkpoint taken then resumes into the hook's velocity and continues identically."""
-    for optim in ({"momentum": 0.9}, {"momentum": 0.9, "nesterov": True}):
+    checkpoint taken then resumes into the hook's velocity and continues identically (also with
+    gradient accumulation: DDP's ``no_sync`` micro-steps)."""
+    for optim, accumulate in (({"momentum": 0.9}, 1), ({"momentum": 0.9, "nesterov": True}, 1), ({"momentum": 0.9}, 2)):
         ref = make_ddp()
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, **optim)
         ddp = make_ddp()
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05, **optim)
         state = commpress.ddp.register(ddp, "auto", optimizer=opt, auto_link=FAST, auto_interval=2)
         for step in range(6):
-            train_step(ref, ref_opt, rank, step)
-            train_step(ddp, opt, rank, step)
+            train_step(ref, ref_opt, rank, step, accumulate=accumulate)
+            train_step(ddp, opt, rank, step, accumulate=accumulate)
             assert_all_ranks(state.momentum_in_optimizer, f"{optim}: momentum not in the optimizer after step {step}")
         diff = float((flat_params(ref) - flat_params(ddp)).abs().max())
         assert_all_ranks(diff < 1e-5, f"{optim}: handed-back momentum differs from SGD's by {diff}")
@@ -147,8 +148,8 @@ def worker_momentum_handover(rank: int, world: int) -> None:
         resumed_state.load_state_dict(saved)
         assert not resumed_state.momentum_in_optimizer and all(g["momentum"] == 0 for g in resumed_opt.param_groups)
         for step in range(6, 10):
-            train_step(ddp, opt, rank, step)
-            train_step(resumed, resumed_opt, rank, step)
+            train_step(ddp, opt, rank, step, accumulate=accumulate)
+            train_step(resumed, resumed_opt, rank, step, accumulate=accumulate)
         diff = float((flat_params(resumed) - flat_params(ddp)).abs().max())
         assert_all_ranks(diff < 1e-5 and resumed_state.momentum_in_optimizer, f"{optim}: resumed run differs by {diff}")
         # loaded into a live state whose optimizer holds the momentum: the hook takes it, no buffer is left
@@ -156,8 +157,8 @@ def worker_momentum_handover(rank: int, world: int) -> None:
         assert not state.momentum_in_optimizer and all(g["momentum"] == 0 for g in opt.param_groups)
         assert not any("momentum_buffer" in opt.state[p] for p in ddp.parameters())
         for step in range(10, 12):
-            train_step(ddp, opt, rank, step)
-            train_step(resumed, resumed_opt, rank, step)
+            train_step(ddp, opt, rank, step, accumulate=accumulate)
+            train_step(resumed, resumed_opt, rank, step, accumulate=accumulate)
         diff = float((flat_params(resumed) - flat_params(ddp)).abs().max())
         assert_all_ranks(diff < 1e-5, f"{optim}: reloaded live state differs by {diff}")
 

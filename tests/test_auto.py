@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -91,6 +92,20 @@ def test_predict_chooses_by_link_speed() -> None:
 def test_calibrate_device_single_process() -> None:
     cost = calibrate_device(commpress.codecs.get("topk", ratio=0.01), feedback=True, masking=True, numel=1 << 14)
     assert cost.encode_s > 0 and cost.decode_s > 0 and cost.pass_s > 0 and cost.cast_s > 0 and cost.mask_s > 0
+    assert cost.momentum_s == 0.0  # the hook applies no momentum: nothing to time
+    owned = calibrate_device(commpress.codecs.get("topk", ratio=0.01), feedback=True, momentum=True, numel=1 << 14)
+    assert owned.momentum_s > 0
+
+
+def test_the_hooks_momentum_is_paid_by_the_compressed_option_only() -> None:
+    """While every bucket is dense or fp16 the optimizer applies its momentum again (no hook cost)."""
+    topk = commpress.codecs.get("topk", ratio=0.01)
+    link = Link.from_gbit(10)
+    plain = predict(BIG, 2, link, CPU, topk, "allgather")
+    owned = predict(BIG, 2, link, dataclasses.replace(CPU, momentum_s=0.5e-9), topk, "allgather")
+    numel = sum(e.numel for e in BIG)
+    assert owned["compressed"] == pytest.approx(plain["compressed"] + numel * 0.5e-9)
+    assert owned["dense"] == plain["dense"] and owned["fp16"] == plain["fp16"]
 
 
 def test_path_factor_never_scales_below_the_codec_alone() -> None:

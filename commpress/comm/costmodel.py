@@ -20,10 +20,14 @@ all_to_all             ``(n-1) alpha + (n-1)/n B beta``           ``twophase`` p
 
 **Device** (:class:`DeviceCost`): seconds per element on this device for the codec's encode
 (through error feedback when the caller keeps residuals), one decode-and-add, a plain pass
-(``copy_``/``div_``), the fp16 cast round trip, and DGC's momentum masking. The compressed
-option costs ``encode + k * decode + passes`` where ``k`` is the number of packets each element
-is decoded from (``n`` for all-gather: every rank decodes every frame; 2 for two-phase: the
-server piece and the gathered result; 1 for the shared-seed all-reduce).
+(``copy_``/``div_``), the fp16 cast round trip, DGC's momentum masking, and the hook's velocity
+update beyond what the optimizer's own momentum costs (``momentum_s``: a finiteness check and a
+copy per element, where the hook owns SGD momentum). The compressed option costs ``encode + k *
+decode + passes + momentum`` where ``k`` is the number of packets each element is decoded from
+(``n`` for all-gather: every rank decodes every frame; 2 for two-phase: the server piece and the
+gathered result; 1 for the shared-seed all-reduce). Dense and fp16 carry no ``momentum``: while
+every bucket takes them, the optimizer applies its own momentum again (``codec="auto"`` hands it
+back; with ``momentum=`` given by hand it stays in the hook, and the model leans toward them).
 
 :func:`predict` is pure (numbers in, seconds out); :func:`calibrate_link` and
 :func:`calibrate_device` measure the inputs on a process group and a device, and take the
@@ -37,6 +41,7 @@ its bytes is timed on the group itself (:func:`calibrate_cast`), and so is the c
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
@@ -48,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from ..codecs import Codec, NoneCodec
+from ..codecs.base import all_finite
 from ..errors import CodecError
 from ..feedback import ErrorFeedback
 from ..wire.frame import FrameLayout
@@ -103,13 +109,17 @@ class Link:
 
 @dataclass(frozen=True)
 class DeviceCost:
-    """Seconds per element on one device (see the module docstring); ``mask_s`` 0 without masking."""
+    """Seconds per element on one device (see the module docstring).
+
+    ``mask_s`` is 0 without momentum masking, ``momentum_s`` 0 where the hook applies no momentum.
+    """
 
     encode_s: float
     decode_s: float
     pass_s: float
     cast_s: float
     mask_s: float = 0.0
+    momentum_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name, v in asdict(self).items():
@@ -180,8 +190,8 @@ def predict(
     ``dense``: all-reduce of the buffer plus one pass (the division); ``fp16``: all-reduce of
     half the bytes plus the cast round trip (absent for buffers that are not float32/float64);
     ``compressed``: the codec's collectives (:func:`compressed_plan`) plus encode of the
-    compressed elements, ``k`` decodes of them, masking, and two passes over the buffer
-    (accumulator average and copy).
+    compressed elements, ``k`` decodes of them, masking, two passes over the buffer
+    (accumulator average and copy) and the hook's velocity update of the whole buffer.
     """
     numel = sum(e.numel for e in entries)
     nc = sum(e.numel for e in entries if e.compressed)
@@ -192,7 +202,7 @@ def predict(
     plan = compressed_plan(entries, codec, algorithm, n, dtype)
     wire = wire_time(link, plan, n)
     work = nc * (device.encode_s + plan["decodes"] * device.decode_s + device.mask_s)
-    work += (numel - nc) * device.pass_s * plan["decodes"] + 2 * numel * device.pass_s
+    work += (numel - nc) * device.pass_s * plan["decodes"] + (2 * device.pass_s + device.momentum_s) * numel
     out["compressed"] = wire + work
     return out
 
@@ -343,9 +353,11 @@ def calibrate_compressed(
     entries = [Entry(x.numel(), True)]
     plan = compressed_plan(entries, codec, algorithm, n, x.dtype)
     wire = wire_time(link, plan, n)
-    work = predict(entries, n, link, cost, codec, algorithm, x.dtype)["compressed"] - wire
+    # the timed path has no velocity update: leave the momentum out of the work it is set against
+    path_cost = dataclasses.replace(cost, momentum_s=0.0)
+    work = predict(entries, n, link, path_cost, codec, algorithm, x.dtype)["compressed"] - wire
     factor = path_factor(t, wire, work)
-    return DeviceCost(cost.encode_s * factor, cost.decode_s * factor, cost.pass_s, cost.cast_s, cost.mask_s)
+    return dataclasses.replace(cost, encode_s=cost.encode_s * factor, decode_s=cost.decode_s * factor)
 
 
 def path_factor(measured: float, wire: float, work: float) -> float:
@@ -367,12 +379,17 @@ def calibrate_device(
     *,
     feedback: bool,
     masking: bool = False,
+    momentum: bool = False,
     device: torch.device | str = "cpu",
     numel: int = CALIBRATION_NUMEL,
     group: Any = None,
     reps: int = 3,
 ) -> DeviceCost:
     """Time the codec's encode (through error feedback when ``feedback``) and decode on ``device``.
+
+    With ``momentum`` (the hook owns SGD momentum), also what its velocity update costs beyond
+    the optimizer's own (``CompressionState.apply_momentum``: the same ``mul_``/``add_`` plus a
+    finiteness check and a copy into the gradient).
 
     Runs on every rank of ``group`` and takes the maximum over ranks (a collective when the
     process group is initialised), so every rank has the same numbers. Gaussian input, seed 0.
@@ -405,7 +422,11 @@ def calibrate_device(
             mask_t = _median_time(lambda: u.index_fill_(0, sent, 0.0), reps)
         else:
             mask_t = _median_time(lambda: u.masked_fill_(acc == 0, 0.0), reps)
-    values = _max_over_ranks([enc / m, dec / m, pass_t / m, cast_t / m, mask_t / m], group, device)
+    momentum_t = 0.0
+    if momentum:
+        velocity, out = flat.clone(), torch.empty_like(flat)
+        momentum_t = _median_time(lambda: (all_finite(flat), out.copy_(velocity)), reps)
+    values = _max_over_ranks([enc / m, dec / m, pass_t / m, cast_t / m, mask_t / m, momentum_t / m], group, device)
     return DeviceCost(*values)
 
 

@@ -58,6 +58,7 @@ Codec parameters given without ``auto_codec`` keep QSGD as the candidate (they a
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -272,7 +273,7 @@ class AutoPolicy:
             "interval": self.interval, "margin": self.margin,
             "link": None if link is None else [link.alpha, link.beta],
             "device": None if device is None else [device.encode_s, device.decode_s, device.pass_s,
-                                                   device.cast_s, device.mask_s],
+                                                   device.cast_s, device.mask_s, device.momentum_s],
         }
 
     # ----- calibration ----------------------------------------------------------------------
@@ -291,6 +292,7 @@ class AutoPolicy:
             masking = state.momentum_masking and state.feedback is not None
             self.device_cost = calibrate_device(
                 state.codec, feedback=state.feedback is not None, masking=masking,
+                momentum=bool(state.momentum_rules),
                 device=self.tensor_device, group=state.process_group,
             )
             if state.world_size > 1 and self._given[0] is None:
@@ -299,7 +301,7 @@ class AutoPolicy:
                 c = self.device_cost
                 cast = calibrate_cast(self.link, state.process_group, self.tensor_device)
                 self.device_cost = calibrate_compressed(
-                    state.codec, state.algorithm, self.link, DeviceCost(c.encode_s, c.decode_s, c.pass_s, cast, c.mask_s),
+                    state.codec, state.algorithm, self.link, dataclasses.replace(c, cast_s=cast),
                     feedback=state.feedback is not None, group=state.process_group, device=self.tensor_device,
                 )
         self.calibration_s = time.perf_counter() - t
@@ -422,7 +424,7 @@ class AutoPolicy:
         if self.device_cost is None or not factor > 0 or not math.isfinite(factor):
             return
         c = self.device_cost
-        self.device_cost = DeviceCost(c.encode_s * factor, c.decode_s * factor, c.pass_s, c.cast_s, c.mask_s)
+        self.device_cost = dataclasses.replace(c, encode_s=c.encode_s * factor, decode_s=c.decode_s * factor)
         self.device_scale *= factor
         for b in self._buckets.values():
             b.predicted = self._predict(b.entries, b.dtype)
@@ -472,6 +474,7 @@ class AutoPolicy:
         if self.device_cost is not None:
             s["auto_encode_ns"] = self.device_cost.encode_s * 1e9
             s["auto_decode_ns"] = self.device_cost.decode_s * 1e9
+            s["auto_momentum_ns"] = self.device_cost.momentum_s * 1e9
             s["auto_device_scale"] = self.device_scale
         for o in OPTIONS:
             s[f"auto_{o}_buckets"] = sum(b.option == o for b in self._by_index.values())
