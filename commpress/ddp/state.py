@@ -15,7 +15,7 @@ from ..codecs import Bf16Codec, Codec, Fp16Codec, NoneCodec
 from ..codecs.base import all_finite
 from ..comm import CommStats, check_algorithm
 from ..comm.agreement import check_same_config
-from ..comm.driver import FaultChannel
+from ..comm.driver import FaultChannel, wait
 from ..errors import CodecError
 from ..feedback import MAX_PLAUSIBLE_ABS, ErrorFeedback, check_state_header, residual_dtype
 from ..rng import derive_seed
@@ -396,7 +396,13 @@ class CompressionState(checkpoint.StateFile):
         if want == self._momentum_in_optimizer:
             return
         if want:
-            self._give_momentum()
+            where = f"step {self.step}, momentum hand-back"
+            self.faults.check()  # a failed rank: raise, never wait for it
+            with self.faults.scope(where):
+                try:
+                    self._give_momentum()
+                except Exception as exc:
+                    raise self.faults.fail(exc, where) from exc
         else:
             self._take_momentum()
         self._handovers += 1
@@ -427,8 +433,8 @@ class CompressionState(checkpoint.StateFile):
                      else torch.zeros(self.plans[n].numel, dtype=dtype, device=device) for n in group]
             parts.append(torch.tensor([float(n in self.velocity) for n in group], dtype=dtype, device=device))
             flat = torch.cat(parts)
-            if self.world_size > 1:
-                dist.all_reduce(flat, group=self.process_group)
+            if self.world_size > 1:  # bounded by the fault channel, as the hook's collectives are
+                wait(dist.all_reduce(flat, group=self.process_group, async_op=True), flat.device)
             counts = flat[-len(group):].tolist()
             offset = 0
             for n, count in zip(group, counts):
