@@ -125,7 +125,7 @@ def take_over_momentum(
 
 def give_back_momentum(
     optimizer: torch.optim.Optimizer, names: Mapping[int, str], velocities: Mapping[str, torch.Tensor]
-) -> int:
+) -> None:
     """Undo :func:`take_over_momentum`: the optimizer applies its momentum again.
 
     ``codec="auto"`` does this while every bucket is reduced exactly (see
@@ -133,9 +133,8 @@ def give_back_momentum(
     Each group's settings come back from ``group["commpress_momentum"]``; ``velocities`` (by
     parameter name, flat, the *average* over ranks so that every rank steps alike) become the
     ``momentum_buffer`` entries, in the parameter's dtype. A parameter without one starts its
-    buffer from its next gradient, as ``torch.optim.SGD`` does. Returns the buffers set.
+    buffer from its next gradient, as ``torch.optim.SGD`` does.
     """
-    given = 0
     for group in optimizer.param_groups:
         taken = group.get(GROUP_KEY)
         if not taken or not taken.get("momentum"):
@@ -148,8 +147,6 @@ def give_back_momentum(
             v = velocities.get(names.get(id(p), ""))
             if v is not None:
                 optimizer.state[p]["momentum_buffer"] = v.detach().reshape(p.shape).to(p.dtype, copy=True)
-                given += 1
-    return given
 
 
 def check_rule(value: Any, what: str) -> MomentumRule:

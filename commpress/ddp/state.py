@@ -54,6 +54,11 @@ def _norm_sq(x: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(x, dtype=torch.float32 if x.dtype != torch.float64 else None)) ** 2
 
 
+def _as_velocity(buf: torch.Tensor) -> torch.Tensor:
+    """An optimizer's momentum buffer as the hook keeps a velocity: a flat copy in the residual dtype."""
+    return buf.detach().reshape(-1).to(residual_dtype(buf.dtype), copy=True)
+
+
 class CompressionState(checkpoint.StateFile):
     """State of the commpress DDP communication hook (one per DDP model and rank).
 
@@ -350,23 +355,17 @@ class CompressionState(checkpoint.StateFile):
             return
         if self.momentum:
             raise CodecError("pass either optimizer= (its momentum moves into the hook) or momentum=, not both")
-        names = {id(p): n for n, p in module.named_parameters() if n in self.plans}
-        self.momentum_rules, buffers = take_over_momentum(optimizer, names)
-        # e.g. resuming from a dense run's checkpoint (a gain parameter folds it in when it compresses)
-        for name, buf in buffers.items():
-            self.velocity.setdefault(name, buf.detach().reshape(-1).to(residual_dtype(buf.dtype), copy=True))
-
-        self._param_names = names
+        self._param_names = {id(p): n for n, p in module.named_parameters() if n in self.plans}
+        # buffers found become velocities: e.g. resuming from a dense run's checkpoint (a gain
+        # parameter folds it in when it compresses)
+        self._take_momentum()
 
         def resync(*_: Any) -> None:  # before every step (schedulers)
             if not self._momentum_in_optimizer:  # handed back, a scheduler's change is the optimizer's
                 self._take_momentum()
 
-        def reload(*_: Any) -> None:  # the loaded groups and buffers decide; the hook takes them
-            self._momentum_in_optimizer = False
-            self._take_momentum()
-
-        optimizer.register_load_state_dict_post_hook(reload)
+        # after load_state_dict the loaded groups and buffers decide, wherever the momentum was: the hook takes them
+        optimizer.register_load_state_dict_post_hook(lambda *_: self._take_momentum())
         optimizer.register_step_pre_hook(resync)
         optimizer.register_step_post_hook(lambda *_: self.place_momentum())
         logger.info("commpress: %s momentum moved into the hook for %d parameters",
@@ -390,7 +389,7 @@ class CompressionState(checkpoint.StateFile):
         the buffers back as every rank's velocity. Weight decay then goes through the momentum,
         as ``torch.optim.SGD`` defines it, instead of being applied once per step.
         """
-        if self._param_names is None or self.optimizer is None or not self.momentum_rules:
+        if self._param_names is None or not self.momentum_rules:  # no SGD momentum taken from optimizer=
             return
         want = self.auto is not None and self.auto.all_exact()
         if want == self._momentum_in_optimizer:
@@ -416,7 +415,7 @@ class CompressionState(checkpoint.StateFile):
         self.momentum_rules, found = take_over_momentum(self.optimizer, self._param_names)
         if not keep_velocity:
             for name, buf in found.items():
-                self.velocity[name] = buf.detach().reshape(-1).to(residual_dtype(buf.dtype), copy=True)
+                self.velocity[name] = _as_velocity(buf)
 
     def _give_momentum(self) -> None:
         """The optimizer applies the momentum: the velocities averaged over ranks become its buffers."""
@@ -454,7 +453,7 @@ class CompressionState(checkpoint.StateFile):
         for p, name in ((p, self._param_names.get(id(p))) for g in self.optimizer.param_groups for p in g["params"]):
             buf = self.optimizer.state.get(p, {}).get("momentum_buffer")
             if name is not None and isinstance(buf, torch.Tensor):
-                out[name] = buf.detach().reshape(-1).to(residual_dtype(buf.dtype), copy=True)
+                out[name] = _as_velocity(buf)
         return out
 
     def _adopt_adam(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, masking: bool | None) -> None:
@@ -498,7 +497,7 @@ class CompressionState(checkpoint.StateFile):
         if self.adam is not None and not self.adam.active and self.step >= self.warmup_steps:
             self.momentum_rules = self.adam.rules()
             for name, m in self.adam.momenta().items():  # a resumed run keeps its checkpointed velocity
-                self.velocity.setdefault(name, m.detach().reshape(-1).to(residual_dtype(m.dtype), copy=True))
+                self.velocity.setdefault(name, _as_velocity(m))
             self.adam.active = True
 
     # ----- per-bucket planning ---------------------------------------------------------------
