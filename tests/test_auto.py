@@ -54,6 +54,26 @@ def test_fit_link_recovers_alpha_beta() -> None:
     # noise-free latency-only data: no negative bandwidth
     flat = fit_link(sizes, [1e-3, 1e-3, 1e-3], 2)
     assert flat.alpha >= 0 and flat.beta >= 0
+    assert flat.allreduce(1 << 23, 2) == pytest.approx(1e-3)
+    # the order of the points does not matter
+    assert fit_link(sizes[::-1], [truth.allreduce(b, 4) for b in sizes[::-1]], 4) == fitted
+
+
+def test_fit_link_reads_the_largest_sizes_rate_through_a_burst() -> None:
+    """A token bucket's burst sends its first bytes free: the mid sizes read faster than the link.
+
+    The fitted link must predict a large bucket (67 MB) at the link's real rate, within 2%, where a
+    fit through every point (the burst as extra bandwidth) would read it faster.
+    """
+    truth, burst = Link(3e-4, 8e-9), float(1 << 20)  # 1 Gbit/s, 1 MB free per collective
+    sizes = [4096.0, 1 << 20, 1 << 23, 1 << 25]
+    for n in (2, 4):
+        def shaped(b: float, n: int = n) -> float:
+            return 2 * (n - 1) * truth.alpha + max(2 * (n - 1) / n * b - burst, 0.0) * truth.beta
+
+        fitted = fit_link(sizes, [shaped(b) for b in sizes], n)
+        big = 67_289_128
+        assert fitted.allreduce(big, n) == pytest.approx(shaped(big), rel=0.02)
     with pytest.raises(commpress.CodecError, match="points"):
         fit_link([1.0], [1.0], 2)
 
