@@ -136,11 +136,6 @@ def test_path_factor_never_scales_below_the_codec_alone() -> None:
     assert path_factor(0.300, 0.298, 0.015) == 1.0
     assert path_factor(0.100, 0.200, 0.015) == 1.0  # wire over-predicted
     assert path_factor(0.100, 0.010, 0.0) == 1.0 and path_factor(math.nan, 0.0, 1.0) == 1.0
-    # the path's own counters: 1.5x the codec alone, whatever the link model says
-    assert path_factor(0.300, 0.298, 0.015, counted=0.015, alone=0.010) == pytest.approx(1.5)
-    assert path_factor(0.030, 0.010, 0.010, counted=0.015, alone=0.010) == pytest.approx(2.0)  # the larger
-    assert path_factor(0.300, 0.298, 0.015, counted=0.005, alone=0.010) == 1.0
-    assert path_factor(0.300, 0.298, 0.015, counted=math.inf, alone=0.010) == 1.0
 
 
 def _bucket(predicted: dict[str, float], option: str) -> BucketChoice:

@@ -323,14 +323,12 @@ def calibrate_compressed(
 
     Runs ``algorithm`` on the group (:func:`commpress.comm.run`: error feedback, encode, frame
     packing, the collectives, fresh receive and accumulation buffers, decode) for one buffer of
-    ``numel`` elements, and scales encode and decode by :func:`path_factor`: (measured - predicted
-    wire time) / predicted CPU work, or the path's own encode and decode seconds (its
-    :class:`~.driver.CommStats`, as the hook's periodic rescale reads them) / the codec's timed
-    alone, whichever is larger. The parts :func:`calibrate_device` times alone missed 10-30% of
-    the compressed steps of the 17M MLP. MAX over ranks (a collective: every rank calls it).
+    ``numel`` elements, and scales encode and decode by (measured - predicted wire time) /
+    predicted CPU work: the parts :func:`calibrate_device` times alone missed 10-30% of the
+    compressed steps of the 17M MLP. MAX over ranks (a collective: every rank calls it).
     """
     from . import run  # the package imports this module's users, not the other way round
-    from .driver import CommStats, Slot
+    from .driver import Slot
 
     n = dist.get_world_size(group)
     side = max(1, math.isqrt(numel))
@@ -340,49 +338,37 @@ def calibrate_compressed(
     server = ErrorFeedback(codec) if feedback and algorithm == "twophase" else None
     slots = [Slot("calibration", 0, tuple(x.shape), codec, 7, ef)]
 
-    stats = CommStats()
-    counted: list[float] = []  # per run: the path's encode + decode seconds, by its own counters
-
     def once() -> None:
         buf.copy_(x.reshape(-1))
-        before = stats.as_dict()
-        run(algorithm, buf, slots, group=group, server_feedback=server, stats=stats).wait()
-        after = stats.as_dict()
-        counted.append(sum(after[k] - before[k] for k in ("encode_s", "decode_s")))
+        run(algorithm, buf, slots, group=group, server_feedback=server).wait()
 
     # one run spans every rank, so a rank descheduled for a moment (4 ranks on 2 cores) stalls
     # them all: the median of 3 once scaled sign's encode 10x (11.3 ns/element against 3.5-3.8
     # in the runs around it) and auto chose fp16 over it; the median of 5 needs 3 such runs,
     # and the least of 5 predicted compressed steps 10-16% short (it also drops real contention)
-    t = _median_time(once, reps)
-    t, codec_s = _max_over_ranks([t, statistics.median(counted[1:])], group, device)  # [0]: warm-up
+    t = _max_over_ranks([_median_time(once, reps)], group, device)[0]
     entries = [Entry(x.numel(), True)]
     plan = compressed_plan(entries, codec, algorithm, n, x.dtype)
     wire = wire_time(link, plan, n)
     # the timed path has no velocity update: leave the momentum out of the work it is set against
     path_cost = dataclasses.replace(cost, momentum_s=0.0)
     work = predict(entries, n, link, path_cost, codec, algorithm, x.dtype)["compressed"] - wire
-    alone = x.numel() * (cost.encode_s + plan["decodes"] * cost.decode_s)
-    factor = path_factor(t, wire, work, codec_s, alone)
+    factor = path_factor(t, wire, work)
     return dataclasses.replace(cost, encode_s=cost.encode_s * factor, decode_s=cost.decode_s * factor)
 
 
-def path_factor(measured: float, wire: float, work: float, counted: float = 0.0, alone: float = 0.0) -> float:
+def path_factor(measured: float, wire: float, work: float) -> float:
     """How much more CPU work the whole compressed path did than the codec timed alone: at least 1.
 
-    The larger of ``(measured - wire) / work`` and ``counted / alone`` (the path's encode and
-    decode seconds by its own counters / the same timed on the codec alone), never below 1: the
-    codec's own encode and decode are part of the path, so they bound its CPU work from below.
-    On a slow link the wire is nearly all of ``measured`` and the first ratio is mostly the link
-    model's error: at 1 Gbit/s and 2 ranks it scaled QSGD's encode to 1.8 ms per 16.8M elements,
-    where the hook measured 11.8 ms. The counters do not depend on the link.
+    ``(measured - wire) / work``, never below 1: the codec's own encode and decode are part of
+    the path, so they bound its CPU work from below. On a slow link the wire is nearly all of
+    ``measured`` and the difference is mostly the link model's error: at 1 Gbit/s and 2 ranks it
+    scaled QSGD's encode to 1.8 ms per 16.8M elements, where the hook measured 11.8 ms.
     """
-    factors = [1.0]
-    if work > 0 and math.isfinite(measured) and math.isfinite(wire):
-        factors.append((measured - wire) / work)
-    if alone > 0 and math.isfinite(counted):
-        factors.append(counted / alone)
-    return max(f for f in factors if math.isfinite(f))
+    if not work > 0 or not math.isfinite(measured) or not math.isfinite(wire):
+        return 1.0
+    factor = (measured - wire) / work
+    return factor if math.isfinite(factor) and factor > 1.0 else 1.0
 
 
 def calibrate_device(
