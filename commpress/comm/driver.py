@@ -306,6 +306,20 @@ class FaultChannel:
         finally:
             _scope.reset(token)
 
+    @contextlib.contextmanager
+    def guarded(self, where: str) -> Iterator[None]:
+        """An adapter's unit of work at ``where``: :meth:`check`, then run it in :meth:`scope`.
+
+        An exception inside means this rank cannot go on and the others must not wait for it: it
+        is posted (:meth:`fail`) and the error that returns is raised in its place.
+        """
+        self.check()  # some rank already failed: raise at once, issue nothing
+        with self.scope(where):
+            try:
+                yield
+            except Exception as exc:
+                raise self.fail(exc, where) from exc
+
     def check(self) -> None:
         """Raise :class:`RankFailedError` if any rank of the group failed."""
         if self._fault is not None:

@@ -40,14 +40,9 @@ def hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Futu
         state = commpress.ddp.CompressionState(ddp_model, "sign", block_size=256)
         ddp_model.register_comm_hook(state, commpress.ddp.hook)
     """
-    faults = state.faults
-    faults.check()  # some rank already failed: raise at once, issue nothing
-    where = f"step {state.step}, bucket {bucket.index()}"
-    with faults.scope(where):  # the futures and waits of these collectives: failable by the channel
-        try:
-            return _reduce(state, bucket, bucket.buffer())
-        except Exception as exc:  # this rank cannot go on: the others must not wait for it
-            raise faults.fail(exc, where) from exc
+    # the futures and waits of these collectives are failable by the channel; a failure is posted
+    with state.faults.guarded(f"step {state.step}, bucket {bucket.index()}"):
+        return _reduce(state, bucket, bucket.buffer())
 
 
 def _reduce(state: CompressionState, bucket: dist.GradBucket, buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:

@@ -395,13 +395,8 @@ class CompressionState(checkpoint.StateFile):
         if want == self._momentum_in_optimizer:
             return
         if want:
-            where = f"step {self.step}, momentum hand-back"
-            self.faults.check()  # a failed rank: raise, never wait for it
-            with self.faults.scope(where):
-                try:
-                    self._give_momentum()
-                except Exception as exc:
-                    raise self.faults.fail(exc, where) from exc
+            with self.faults.guarded(f"step {self.step}, momentum hand-back"):  # never waits for a failed rank
+                self._give_momentum()
         else:
             self._take_momentum()
         self._handovers += 1
