@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -82,23 +81,15 @@ def launch(net: ShapedNetwork, world: int, workload: str, steps: int, eval_every
     ``pin``: rank ``r`` runs on CPU ``r % cpu_count`` only (``taskset``), as if each host had its own.
     """
     out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": net.ifname}
-    procs = []
-    for r in range(world):
-        argv = [sys.executable, "-m", "commpress.demo.runner", "--rank", str(r), "--world", str(world),
-                "--master", net.addr(0), "--port", str(port), "--workload", workload, "--steps", str(steps),
-                "--eval-every", str(eval_every), "--methods", ";".join(methods), "--out", out,
-                "--timeout", str(min(timeout, 300)), *extra]
-        if pin:
-            argv = ["taskset", "-c", str(r % (os.cpu_count() or 1)), *argv]
-        procs.append(subprocess.Popen(net.command(r, argv), env=env))
-    deadline = time.monotonic() + timeout
-    try:
-        codes = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+
+    def argv(r: int) -> list[str]:
+        cmd = [sys.executable, "-m", "commpress.demo.runner", "--rank", str(r), "--world", str(world),
+               "--master", net.addr(0), "--port", str(port), "--workload", workload, "--steps", str(steps),
+               "--eval-every", str(eval_every), "--methods", ";".join(methods), "--out", out,
+               "--timeout", str(min(timeout, 300)), *extra]
+        return ["taskset", "-c", str(r % (os.cpu_count() or 1)), *cmd] if pin else cmd
+
+    codes = net.run(argv, timeout)
     if any(codes):
         raise SystemExit(f"a rank failed (exit codes {codes}); see its output above")
     with open(out) as f:

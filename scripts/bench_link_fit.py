@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import socket
-import subprocess
 import sys
 import tempfile
 from typing import Any
@@ -60,11 +59,8 @@ def measure(world: int, link: str, big: int, reps: int) -> dict[str, Any]:
         port = s.getsockname()[1]
     out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
     with ShapedNetwork(world, None if link == "unshaped" else link, quiet=True) as net:
-        env = {**os.environ, "GLOO_SOCKET_IFNAME": net.ifname}
-        argv = [sys.executable, os.path.abspath(__file__), "--worker"]
-        procs = [subprocess.Popen(net.command(r, [*argv, str(r), str(world), net.addr(0), str(port), out,
-                                                  str(big), str(reps)]), env=env) for r in range(world)]
-        codes = [p.wait(timeout=600) for p in procs]
+        codes = net.run(lambda r: [sys.executable, os.path.abspath(__file__), "--worker", str(r), str(world),
+                                   net.addr(0), str(port), out, str(big), str(reps)], timeout=600)
     if any(codes):
         raise SystemExit(f"a rank failed (exit codes {codes})")
     with open(out) as f:

@@ -27,7 +27,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 SUBNET = "198.18.0"
 PREFIX = "cpn"  # namespace / interface prefix; short: interface names max 15 chars
@@ -145,6 +145,24 @@ class ShapedNetwork:
         """``argv`` wrapped to run inside host ``rank`` (unchanged on the loopback fallback)."""
         return ["ip", "netns", "exec", self.ns(rank), *argv] if self.shaped else list(argv)
 
+    def run(self, argv: Callable[[int], Sequence[str]], timeout: float | None = None,
+            env: Mapping[str, str] | None = None) -> list[int]:
+        """Run ``argv(rank)`` on every host at once, gloo bound to the host's link; their exit codes.
+
+        ``env`` adds to the environment. Processes still running when ``timeout`` seconds have
+        passed (``subprocess.TimeoutExpired`` is raised) or when waiting is interrupted are killed.
+        """
+        full_env = {**os.environ, "GLOO_SOCKET_IFNAME": self.ifname, **(env or {})}
+        procs = [subprocess.Popen(self.command(r, argv(r)), env=full_env) for r in range(self.hosts)]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            return [p.wait(timeout=None if deadline is None else max(1.0, deadline - time.monotonic()))
+                    for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+
     def tx_rx_bytes(self, rank: int) -> tuple[int, int]:
         """Bytes host ``rank`` has sent and received on its link (0, 0 on the fallback)."""
         if not self.shaped:
@@ -212,10 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not cmd:
         ap.error("give a command after --")
     with ShapedNetwork(args.hosts, rate, args.delay_ms) as net:
-        procs = [subprocess.Popen(net.command(r, [a.format(rank=r, addr=net.addr(r)) for a in cmd]),
-                                  env={**os.environ, "GLOO_SOCKET_IFNAME": net.ifname, "MASTER_ADDR": net.addr(0)})
-                 for r in range(args.hosts)]
-        codes = [p.wait() for p in procs]
+        codes = net.run(lambda r: [a.format(rank=r, addr=net.addr(r)) for a in cmd], env={"MASTER_ADDR": net.addr(0)})
         for r in range(args.hosts):
             tx, rx = net.tx_rx_bytes(r)
             print(f"[shaped_net] host {r} ({net.addr(r)}): exit {codes[r]}, tx {tx:,} B, rx {rx:,} B", file=sys.stderr)
