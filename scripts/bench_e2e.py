@@ -398,6 +398,8 @@ def main() -> int:
     methods = (args.methods or ";".join(METHODS)).split(";")
     if "allreduce" not in methods:
         ap.error("--methods must include allreduce (the baseline)")
+    if min(args.steps, args.quality_steps) <= 2:  # the runner's untimed warm-up steps
+        ap.error(f"--steps and --quality-steps must exceed 2, got {args.steps} and {args.quality_steps}")
     runs: dict[tuple[str, int], dict[str, Any]] = {}
     port = 29700
     configs = [(link, world) for link in args.links for world in args.ranks]

@@ -325,6 +325,8 @@ def main() -> int:
     ap.add_argument("--out", help="rank 0 writes the results here (JSON)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds a collective may wait before failing")
     args = ap.parse_args()
+    if not 0 <= args.warmup < args.steps:
+        ap.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}): no step would be timed")
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=f"tcp://{args.master}:{args.port}", rank=args.rank,
                             world_size=args.world, timeout=datetime.timedelta(seconds=args.timeout))
