@@ -241,7 +241,8 @@ def fit_link(sizes: Sequence[float], times: Sequence[float], n: int) -> Link:
     bytes that goes free, and 4 ranks on 2 cores add milliseconds of scheduling to the smallest
     size. Measured on a 1 Gbit/s ``tc tbf`` link at 4 ranks, a least-squares line weighted by
     relative error (used until 2026-12-01) read 1.15-1.25 Gbit/s and predicted 67 MB all-reduces
-    17-23% short; this line reads 0.97 Gbit/s and is within 1%. Both values are clamped at 0.
+    16-23% short; this line read 0.97-0.99 Gbit/s and was within 2% (``scripts/bench_link_fit.py``).
+    Both values are clamped at 0.
     """
     if len(sizes) != len(times) or len(sizes) < 2 or n < 2:
         raise CodecError(f"fit_link needs >= 2 (size, time) points and n >= 2, got {len(sizes)} and n={n}")
