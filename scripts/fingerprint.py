@@ -99,8 +99,9 @@ CONFIGS: dict[str, tuple[str, str, dict[str, Any], str, bool]] = {
     "ddp-topk-adamw": ("ddp", "topk", {"ratio": 0.05, "min_numel": 256, "warmup_steps": 8}, "adamw", True),
     "ddp-sign-adamw": ("ddp", "sign", {"min_numel": 256, "warmup_steps": 8, "warmup_codec": "dense"}, "adamw", True),
     "ddp-sign-guard": ("ddp", "sign", {"min_numel": 256, "divergence_guard_spec": (2, 0.6, 3)}, "sgd", True),
+    # interval beyond the run: a re-decision rescales by measured (load-dependent) encode times
     "ddp-auto-slow": ("ddp", "auto", {"min_numel": 256, "auto_link_spec": (1e-5, 1e-6), "auto_device_spec": True,
-                                      "auto_interval": 10}, "sgd", True),
+                                      "auto_interval": 1000}, "sgd", True),
     "ddp-auto-fast": ("ddp", "auto", {"min_numel": 256, "auto_link_spec": (1e-6, 1e-12), "auto_device_spec": True,
                                       "auto_interval": 10}, "sgd", True),
     "fsdp-topk": ("fsdp", "topk", {"ratio": 0.05}, "sgd", False),
@@ -112,7 +113,7 @@ CONFIGS: dict[str, tuple[str, str, dict[str, Any], str, bool]] = {
 
 def _options(opts: dict[str, Any]) -> dict[str, Any]:
     from commpress.comm.costmodel import DeviceCost, Link
-    from commpress.ddp.guard import DivergenceGuard
+    from commpress.optim import DivergenceGuard
 
     out = dict(opts)
     if "divergence_guard_spec" in out:

@@ -13,6 +13,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commpress.ddp
+import commpress.optim
 
 from ddp_workers import (
     assert_all_ranks,
@@ -90,7 +91,7 @@ def worker_value_blind_gain(rank: int, world: int) -> None:
     """Random-k (value-blind) with nothing dropped: compressed parameters get SGD without
     momentum at ``lr * gain``, dense (1-D) ones keep the hook's velocity, as SGD momentum."""
     for optim in ({"momentum": 0.9}, {"momentum": 0.9, "nesterov": True}, {"momentum": 0.8, "dampening": 0.5}):
-        rule = commpress.ddp.optim.MomentumRule(optim["momentum"], optim.get("dampening", 0.0), bool(optim.get("nesterov")))
+        rule = commpress.optim.MomentumRule(optim["momentum"], optim.get("dampening", 0.0), bool(optim.get("nesterov")))
         ref = make_ddp()
         weights = [p for p in ref.parameters() if p.dim() > 1]
         biases = [p for p in ref.parameters() if p.dim() <= 1]
@@ -114,7 +115,7 @@ def worker_value_blind_warmup(rank: int, world: int) -> None:
     gain-scaled gradient, and from then on it is SGD at ``lr * gain`` (nothing dropped)."""
     warm = 3
     for optim in ({"momentum": 0.9}, {"momentum": 0.9, "nesterov": True}, {"momentum": 0.8, "dampening": 0.5}):
-        rule = commpress.ddp.optim.MomentumRule(optim["momentum"], optim.get("dampening", 0.0), bool(optim.get("nesterov")))
+        rule = commpress.optim.MomentumRule(optim["momentum"], optim.get("dampening", 0.0), bool(optim.get("nesterov")))
         ref = make_ddp()
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, **optim)
         ddp = make_ddp()
@@ -251,7 +252,7 @@ def worker_register_one_rank(rank: int, world: int, out: str) -> None:
 
 def worker_guard(rank: int, world: int, out: str) -> None:
     """The divergence guard stays quiet on a healthy run and fires on a constructed unstable one."""
-    from commpress.ddp.guard import DivergenceGuard
+    from commpress.optim import DivergenceGuard
 
     results = {}
     for case, codec, opts in (

@@ -1,4 +1,4 @@
-"""The optimizer path: ``commpress.ddp.register(ddp, codec, optimizer=opt)`` (commpress/ddp/optim.py).
+"""The optimizer path: ``commpress.ddp.register(ddp, codec, optimizer=opt)`` (commpress/optim/).
 
 Multi-rank tests spawn gloo ranks (tests/optim_workers.py); the single-process ones check the
 take-over of an optimizer's param groups directly.
@@ -7,13 +7,17 @@ take-over of an optimizer's param groups directly.
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from commpress.ddp.optim import GROUP_KEY, MomentumRule, check_rule, take_over_momentum
-from commpress.ddp.state import CompressionState
+from commpress.optim import (
+    GROUP_KEY,
+    MomentumCorrection,
+    MomentumRule,
+    check_rule,
+    take_over_momentum,
+)
 
 import ddp_workers as w
 import optim_workers as ow
@@ -66,7 +70,7 @@ def test_momentum_gain_is_the_velocitys_steady_state(rule: MomentumRule) -> None
 @pytest.mark.parametrize("window", [1.0, 8.0])
 def test_frozen_variance_adam_bounds_updates_by_the_window(window: float) -> None:
     """Top-k's sends hold many steps of momentum (a window of steps); sign's and random-k's one step."""
-    from commpress.ddp.optim import FrozenVarianceAdam
+    from commpress.optim import FrozenVarianceAdam
 
     w_ = torch.nn.Parameter(torch.zeros(4))
     opt = torch.optim.AdamW([w_], lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0)
@@ -83,22 +87,21 @@ def test_frozen_variance_adam_bounds_updates_by_the_window(window: float) -> Non
 
 @pytest.mark.parametrize("rule", [MomentumRule(0.9), MomentumRule(0.8, 0.5), MomentumRule(0.9, 0.9)])
 def test_velocity_update_is_the_rule_and_a_non_finite_gradient_leaves_the_velocity(rule: MomentumRule) -> None:
-    """``apply_momentum``'s velocity (SGD's rule, a damped one, Adam's ``b1`` rule) against the formula."""
+    """``MomentumCorrection.apply``'s velocity (SGD's rule, a damped one, Adam's ``b1`` rule) against the formula."""
     gen = torch.Generator().manual_seed(0)
     u0, g = torch.randn(1000, generator=gen), torch.randn(1000, generator=gen)
-    param = SimpleNamespace(name="w", numel=1000, compressed=True)
-    fake = SimpleNamespace(momentum_rules={"w": rule}, velocity={"w": u0.clone()}, _momentum_as_gain=lambda p: False)
-    plan = SimpleNamespace(params=[param], offsets=[0])
+    correction = MomentumCorrection({"w": rule})
+    correction.velocity["w"] = u0.clone()
     buffer = g.clone()
-    CompressionState.apply_momentum(fake, plan, buffer)
+    correction.apply("w", buffer)
     expected = rule.momentum * u0 + (1 - rule.dampening) * g
     torch.testing.assert_close(buffer, expected)
-    torch.testing.assert_close(fake.velocity["w"], expected)
-    kept = fake.velocity["w"].clone()
+    torch.testing.assert_close(correction.velocity["w"], expected)
+    kept = correction.velocity["w"].clone()
     bad = g.clone()
     bad[7] = float("nan")
-    CompressionState.apply_momentum(fake, plan, bad)
-    assert torch.equal(fake.velocity["w"], kept)  # the velocity never takes a NaN
+    correction.apply("w", bad)
+    assert torch.equal(correction.velocity["w"], kept)  # the velocity never takes a NaN
     assert not bool(torch.isfinite(bad).all())  # and the gradient stays non-finite: the step is voided
 
 

@@ -20,12 +20,13 @@ import torch
 
 from ..codecs import Codec
 from ..errors import RankFailedError
+from ..optim import DivergenceGuard
 from .auto import AutoPolicy
 from .hook import hook
 from .planning import ParamPlan, plan_parameters
 from .state import CompressionState
 
-__all__ = ["AutoPolicy", "CompressionState", "ParamPlan", "RankFailedError", "hook", "plan_parameters", "register"]
+__all__ = ["AutoPolicy", "CompressionState", "DivergenceGuard", "ParamPlan", "RankFailedError", "hook", "plan_parameters", "register"]
 
 
 def register(
@@ -36,7 +37,7 @@ def register(
     ``codec`` is a name, ``"auto"`` (:mod:`commpress.ddp.auto`) or a :class:`~commpress.codecs.Codec`; ``options`` are those of
     :class:`CompressionState` plus, when ``codec`` is a name, the codec's parameters. Pass your
     optimizer (``optimizer=opt``) so that its momentum moves into the hook where error feedback
-    needs it (:mod:`commpress.ddp.optim`). Must be called on every rank, before the first
+    needs it (:mod:`commpress.optim`). Must be called on every rank, before the first
     backward pass.
     """
     if not hasattr(ddp_model, "register_comm_hook"):

@@ -63,14 +63,16 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .. import codecs, comm
 from ..codecs import Codec
+from ..comm import CommStats
 from ..comm.costmodel import (
     OPTIONS,
     DeviceCost,
@@ -87,11 +89,8 @@ from ..comm.costmodel import (
 )
 from ..comm.driver import wait
 from ..errors import CodecError
-from .optim import adam_unsupported, is_adam_like, is_sgd_like
+from ..optim import adam_unsupported, is_adam_like, is_sgd_like
 from .planning import BucketPlan
-
-if TYPE_CHECKING:
-    from .state import CompressionState
 
 logger = logging.getLogger("commpress")
 
@@ -103,6 +102,25 @@ DEFAULT_INTERVAL = 100
 DEFAULT_MARGIN = 0.1
 #: Options of ``codec="auto"`` (everything else goes to the candidate codec or the state).
 AUTO_OPTIONS = ("auto_codec", "auto_interval", "auto_margin", "auto_link", "auto_device")
+
+
+@dataclass(frozen=True)
+class AutoInputs:
+    """What :class:`AutoPolicy` reads of the hook's state: its codec and group, and how it compresses.
+
+    ``flush(plan, buffer)`` adds a bucket's residuals into a dense step's gradients and zeroes
+    them (``CompressionState.flush_residuals``); ``counters`` are the collectives' counters.
+    """
+
+    codec: Codec
+    algorithm: str
+    world_size: int
+    group: Any
+    feedback: bool
+    masking: bool
+    momentum: bool
+    counters: CommStats
+    flush: Callable[[BucketPlan, torch.Tensor], None]
 
 
 @dataclass
@@ -212,7 +230,7 @@ class AutoPolicy:
         self._given = (link, device)
         self.link = link
         self.device_cost = device
-        self.state: CompressionState | None = None
+        self.state: AutoInputs | None = None
         self.tensor_device: torch.device = torch.device("cpu")
         self.calibration_s = 0.0
         self._buckets: dict[int, BucketChoice] = {}  # id(BucketPlan) -> choice
@@ -253,15 +271,15 @@ class AutoPolicy:
         )
         return candidate, policy
 
-    def bind(self, state: CompressionState, device: torch.device) -> AutoPolicy:
-        """Attach to ``state`` (once); ``device`` is where the model's gradients live."""
+    def bind(self, state: AutoInputs, device: torch.device) -> AutoPolicy:
+        """Attach to one hook state's :class:`AutoInputs` (once); ``device`` is where the model's gradients live."""
         if self.state is not None:
             raise CodecError("an AutoPolicy serves one CompressionState")
         self.state = state
         self.tensor_device = device
         return self
 
-    def _state(self) -> CompressionState:
+    def _state(self) -> AutoInputs:
         if self.state is None:
             raise CodecError("AutoPolicy is not bound to a CompressionState")
         return self.state
@@ -287,22 +305,20 @@ class AutoPolicy:
         state = self._state()
         t = time.perf_counter()
         if self.link is None:
-            self.link = calibrate_link(state.process_group, self.tensor_device)
+            self.link = calibrate_link(state.group, self.tensor_device)
         if self.device_cost is None:
-            masking = state.momentum_masking and state.feedback is not None
             self.device_cost = calibrate_device(
-                state.codec, feedback=state.feedback is not None, masking=masking,
-                momentum=bool(state.momentum_rules),
-                device=self.tensor_device, group=state.process_group,
+                state.codec, feedback=state.feedback, masking=state.masking, momentum=state.momentum,
+                device=self.tensor_device, group=state.group,
             )
             if state.world_size > 1 and self._given[0] is None:
                 # the fp16 and compressed paths as they really run on this group, less the link's
                 # time for their bytes (with a given link that time is not the group's: skipped)
                 c = self.device_cost
-                cast = calibrate_cast(self.link, state.process_group, self.tensor_device)
+                cast = calibrate_cast(self.link, state.group, self.tensor_device)
                 self.device_cost = calibrate_compressed(
                     state.codec, state.algorithm, self.link, dataclasses.replace(c, cast_s=cast),
-                    feedback=state.feedback is not None, group=state.process_group, device=self.tensor_device,
+                    feedback=state.feedback, group=state.group, device=self.tensor_device,
                 )
         self.calibration_s = time.perf_counter() - t
         logger.info("commpress auto: link alpha %.1f us, %.2f Gbit/s; %r encode %.2f ns/element, decode %.2f "
@@ -354,10 +370,10 @@ class AutoPolicy:
         b = self._buckets[id(plan)]
         start = time.perf_counter()
         if b.needs_flush:
-            state.flush_residuals(plan, buffer)
+            state.flush(plan, buffer)
             b.needs_flush = False
         wire = torch.float16 if option == "fp16" else None
-        fut = comm.allreduce_mean(buffer, group=state.process_group, wire_dtype=wire, stats=state.counters,
+        fut = comm.allreduce_mean(buffer, group=state.group, wire_dtype=wire, stats=state.counters,
                                    persistent=True)
         return self.timed(plan, option, start, fut)
 
@@ -397,7 +413,7 @@ class AutoPolicy:
         self._work_predicted = 0.0
         sums = torch.tensor(values, dtype=torch.float64, device=device)
         if state.world_size > 1:
-            wait(dist.all_reduce(sums, op=dist.ReduceOp.MAX, group=state.process_group, async_op=True), device)
+            wait(dist.all_reduce(sums, op=dist.ReduceOp.MAX, group=state.group, async_op=True), device)
         reduced = sums.tolist()
         spent_max, predicted_work = reduced[-2], reduced[-1]
         if spent_max > 0 and predicted_work > 0 and self.device_cost is not None:
@@ -488,5 +504,5 @@ class AutoPolicy:
         return s
 
 
-__all__ = ["AUTO_OPTIONS", "DEFAULT_CANDIDATES", "SAFE_CANDIDATE", "AutoPolicy", "BucketChoice", "default_candidate",
+__all__ = ["AUTO_OPTIONS", "DEFAULT_CANDIDATES", "SAFE_CANDIDATE", "AutoInputs", "AutoPolicy", "BucketChoice", "default_candidate",
            "wire_bytes_per_element"]

@@ -28,7 +28,7 @@ def hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Futu
        feedback and encoding happen here, on DDP's thread, and every collective is issued
        from here in order; the returned future decodes the average into ``bucket.buffer()``;
     4. every few steps, measure residual vs input norms for the divergence guard
-       (:mod:`commpress.ddp.guard`); after the last bucket, let it decide and advance ``state.step``.
+       (:mod:`commpress.optim.guard`); after the last bucket, let it decide and advance ``state.step``.
 
     A failure on this rank (bytes it cannot decode, an error in the steps above) is posted to
     every rank (:class:`commpress.comm.driver.FaultChannel`): every rank raises

@@ -1,4 +1,4 @@
-"""``CompressionState``: everything the DDP hook keeps between steps, and its checkpoint form."""
+"""``CompressionState``: what the DDP hook keeps between steps (plans, residuals, the optimizer modes it composes), and its checkpoint form."""
 
 from __future__ import annotations
 
@@ -10,30 +10,29 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import checkpoint, codecs, comm
+from .. import checkpoint, comm
+from .. import options as opts
 from ..codecs import Bf16Codec, Codec, Fp16Codec, NoneCodec
-from ..codecs.base import all_finite
 from ..comm import CommStats, check_algorithm
 from ..comm.agreement import check_same_config
-from ..comm.driver import FaultChannel, wait
+from ..comm.driver import FaultChannel
 from ..errors import CodecError
-from ..feedback import MAX_PLAUSIBLE_ABS, ErrorFeedback, check_state_header, residual_dtype
-from ..rng import derive_seed
-from .auto import AutoPolicy
-from .guard import DivergenceGuard
-from .optim import (
-    DEFAULT_WARMUP_CODEC,
-    DEFAULT_WARMUP_STEPS,
+from ..feedback import ErrorFeedback, check_state_header
+from ..optim import (
+    DivergenceGuard,
     FrozenVarianceAdam,
+    MomentumCorrection,
     MomentumRule,
+    SGDHandover,
+    Warmup,
     adam_unsupported,
-    check_rule,
-    give_back_momentum,
+    adopt_adam,
     has_momentum,
     is_adam_like,
     is_sgd_like,
-    take_over_momentum,
 )
+from ..rng import derive_seed
+from .auto import AutoInputs, AutoPolicy
 from .planning import (
     BucketPlan,
     CompressFilter,
@@ -52,11 +51,6 @@ logger = logging.getLogger("commpress")
 def _norm_sq(x: torch.Tensor) -> float:
     """``||x||^2`` in one read of ``x`` (``x.square().sum()`` wrote a temporary: ~30 ms at 67 MB)."""
     return float(torch.linalg.vector_norm(x, dtype=torch.float32 if x.dtype != torch.float64 else None)) ** 2
-
-
-def _as_velocity(buf: torch.Tensor) -> torch.Tensor:
-    """An optimizer's momentum buffer as the hook keeps a velocity: a flat copy in the residual dtype."""
-    return buf.detach().reshape(-1).to(residual_dtype(buf.dtype), copy=True)
 
 
 class CompressionState(checkpoint.StateFile):
@@ -81,7 +75,7 @@ class CompressionState(checkpoint.StateFile):
             Never applied to none/fp16/bf16 (rounding only).
         warmup_steps: the first ``warmup_steps`` communication steps are plain dense
             all-reduces (as DGC and 1-bit Adam do), or use ``warmup_codec``. ``None`` (default):
-            :data:`~commpress.ddp.optim.DEFAULT_WARMUP_STEPS` (50) where compression needs it,
+            :data:`~commpress.optim.warmup.DEFAULT_WARMUP_STEPS` (50) where compression needs it,
             else 0: before Adam's variance freezes (Adam/AdamW passed as ``optimizer``; 0 there
             is raised to 50 too), and for value-blind codecs with error feedback (random-k),
             whose residual sends each element ~1/ratio steps late, too late for the first
@@ -89,7 +83,7 @@ class CompressionState(checkpoint.StateFile):
             1%, seeds 0-3: 89.4 / 96.2 / 92.2 / 94.5% without, 97.2 / 96.7 / 97.0 / 97.5% with
             50 dense steps; dense 97.7%).
         warmup_codec: how the warm-up steps are reduced: ``None`` (default): 8-bit QSGD
-            (:data:`~commpress.ddp.optim.DEFAULT_WARMUP_CODEC`, unbiased, no residuals, 4x fewer
+            (:data:`~commpress.optim.warmup.DEFAULT_WARMUP_CODEC`, unbiased, no residuals, 4x fewer
             bytes than the all-reduce); ``"dense"``: DDP's all-reduce; or another codec without
             error feedback (``"qsgd"`` for 4 bits, ``"fp16"``, a :class:`Codec`). Measured
             (``docs/benchmarks.md``): with AdamW on the 10.8M-parameter byte LM, 8-bit QSGD
@@ -106,7 +100,7 @@ class CompressionState(checkpoint.StateFile):
         optimizer: the user's optimizer (recommended). With an SGD-like optimizer that uses
             momentum and a codec with error feedback, its momentum moves into the hook (DGC
             momentum correction, dampening and Nesterov as ``torch.optim.SGD`` defines them;
-            see :mod:`commpress.ddp.optim`): the group's ``momentum`` becomes 0 and the settings
+            see :mod:`commpress.optim.sgd`): the group's ``momentum`` becomes 0 and the settings
             live in ``group["commpress_momentum"]``, so optimizer checkpoints stay consistent.
             Unbiased codecs without error feedback leave the optimizer untouched. Random-k with
             Adam/AdamW runs but logs a warning: none of the update rules measured made it track
@@ -119,7 +113,7 @@ class CompressionState(checkpoint.StateFile):
             momentum. 0 disables it.
         divergence_guard: watch ``||residuals|| / ||compressed input||`` every few steps and
             send dense for a while (flushing the residuals) when it runs away; ``True``
-            (default) uses :class:`~commpress.ddp.guard.DivergenceGuard`'s defaults, ``False``
+            (default) uses :class:`~commpress.optim.guard.DivergenceGuard`'s defaults, ``False``
             turns it off, or pass a ``DivergenceGuard(threshold=..., interval=..., dense_steps=...)``.
         momentum_masking: zero the velocity where the residual is exactly zero after a step,
             i.e. where top-k / random-k sent the value (DGC's momentum factor masking). ``None``
@@ -145,11 +139,9 @@ class CompressionState(checkpoint.StateFile):
 
     file_what = "commpress DDP state"
     __slots__ = (
-        "process_group", "world_size", "rank", "codec", "algorithm", "error_feedback",
-        "warmup_steps", "warmup_codec", "seed", "step", "plans", "plans_by_id", "feedback", "server_feedback",
-        "momentum", "momentum_masking", "velocity", "_bucket_plans", "_stats", "momentum_rules",
-        "optimizer", "guard", "adam", "_verify_pending", "_stats_from_step", "auto",
-        "faults", "_param_names", "_momentum_in_optimizer", "_handovers",
+        "process_group", "world_size", "rank", "codec", "algorithm", "error_feedback", "warmup", "seed", "step",
+        "plans", "plans_by_id", "feedback", "server_feedback", "momentum", "correction", "handover", "adam",
+        "guard", "auto", "faults", "_bucket_plans", "_stats", "_stats_from_step", "_verify_pending", "optimizer",
     )
 
     def __init__(
@@ -181,23 +173,12 @@ class CompressionState(checkpoint.StateFile):
             ranks = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 2
             codec, auto = AutoPolicy.from_options(codec_params, optimizer, momentum, ranks)  # the candidate codec and the policy
         self.codec = comm.resolve_codec(codec, codec_params, "DDP's collectives")
-        self.warmup_codec = self._warmup_codec(warmup_codec)
-        if error_feedback is None:
-            error_feedback = not self.codec.unbiased
-        for name, value in (
-            ("error_feedback", error_feedback), ("dense_1d", dense_1d), ("verify", verify),
-        ):
-            if not isinstance(value, bool):
-                raise CodecError(f"{name} must be a bool, got {value!r}")
-        if warmup_steps is None:
-            warmup_steps = DEFAULT_WARMUP_STEPS if self.codec.value_blind and error_feedback else 0
-            if warmup_steps:
-                logger.info("commpress: %d dense warm-up steps before %r compresses (warmup_steps=0 turns them off)",
-                            warmup_steps, self.codec)
-        elif not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
-            raise CodecError(f"warmup_steps must be an int >= 0 or None, got {warmup_steps!r}")
-        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 1 << 64:
-            raise CodecError(f"seed must be an int in [0, 2**64), got {seed!r}")
+        error_feedback = opts.error_feedback_default(error_feedback, self.codec)
+        opts.check_bools(error_feedback=error_feedback, dense_1d=dense_1d, verify=verify)
+        assert isinstance(error_feedback, bool)
+        self.warmup = Warmup(warmup_steps, warmup_codec, needed=self.codec.value_blind and error_feedback,
+                             compressor=self.codec, where="DDP's collectives")
+        self.seed = opts.check_seed(seed)
         if not isinstance(momentum, (int, float)) or isinstance(momentum, bool) or not 0.0 <= momentum < 1.0:
             raise CodecError(f"momentum must be a float in [0, 1), got {momentum!r}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -205,22 +186,13 @@ class CompressionState(checkpoint.StateFile):
         self.momentum = float(momentum)
         if momentum_masking is not None and not isinstance(momentum_masking, bool):
             raise CodecError(f"momentum_masking must be a bool or None, got {momentum_masking!r}")
-        self.momentum_masking = bool(momentum_masking)
-        self.velocity: dict[str, torch.Tensor] = {}
-        self.momentum_rules: dict[str, MomentumRule] = {}
+        self.correction = MomentumCorrection(masking=bool(momentum_masking))
         self.optimizer = optimizer
         self.adam: FrozenVarianceAdam | None = None
-        self._param_names: dict[int, str] | None = None  # id(parameter) -> name, once SGD momentum is taken
-        self._momentum_in_optimizer = False  # auto, every bucket exact: the optimizer applies it (place_momentum)
-        self._handovers = 0
+        self.handover: SGDHandover | None = None  # the user's SGD momentum, taken into the hook
         check_algorithm(algorithm, self.codec)  # bad names fail before any process-group check
-        if error_feedback and self.codec.unbiased and not isinstance(self.codec, NoneCodec):
-            logger.warning(
-                "commpress: error feedback with the unbiased codec %r: it needs a contraction "
-                "and may diverge when the codec's variance exceeds the signal", self.codec,
-            )
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("torch.distributed is not initialised: call init_process_group first")
+        opts.warn_unbiased_feedback(error_feedback, self.codec)
+        opts.require_process_group()
         module = getattr(model, "module", model)
         if process_group is None:
             process_group = getattr(model, "process_group", None)
@@ -232,8 +204,6 @@ class CompressionState(checkpoint.StateFile):
         self.faults = FaultChannel.of(process_group)
         self.algorithm = check_algorithm(algorithm, self.codec, self.world_size)
         self.error_feedback = error_feedback
-        self.warmup_steps = warmup_steps
-        self.seed = seed
         self.step = 0
         self.plans_by_id, self.plans = plan_parameters(
             module.named_parameters(), self.codec,
@@ -252,17 +222,17 @@ class CompressionState(checkpoint.StateFile):
         self._stats_from_step = 0  # the step the counters start at (a reset, or an old checkpoint)
         if self.momentum:
             rule = MomentumRule(self.momentum)
-            self.momentum_rules = {name: rule for name in self.plans}
+            self.correction.rules = {name: rule for name in self.plans}
         self._adopt_optimizer(module, optimizer, momentum_masking)
         first = next(module.parameters(), None)
-        self.auto = None if auto is None else auto.bind(self, first.device if first is not None else torch.device("cpu"))
-        if not isinstance(verify_timeout, (int, float)) or isinstance(verify_timeout, bool) or verify_timeout <= 0:
-            raise CodecError(f"verify_timeout must be a number of seconds > 0, got {verify_timeout!r}")
+        device = first.device if first is not None else torch.device("cpu")
+        self.auto = None if auto is None else auto.bind(self._auto_inputs(), device)
+        timeout = opts.check_timeout(verify_timeout)
         # verify=False only moves the check to the first bucket of the first step: ranks that
         # disagree would otherwise crash gloo (frame sizes) or wait forever (algorithms)
-        self._verify_pending: float | None = None if verify else float(verify_timeout)
+        self._verify_pending: float | None = None if verify else timeout
         if verify:
-            self._verify_ranks(float(verify_timeout))
+            self._verify_ranks(timeout)
             if self.auto is not None:  # after the check (verify=False: at the first bucket)
                 self.auto.calibrate()
 
@@ -271,6 +241,31 @@ class CompressionState(checkpoint.StateFile):
     def uses_feedback(self) -> bool:
         """True when residuals are kept (error feedback on, and a codec that drops something)."""
         return self.error_feedback and not isinstance(self.codec, (NoneCodec, Fp16Codec, Bf16Codec))
+
+    @property
+    def warmup_steps(self) -> int:
+        """Steps reduced dense (or by ``warmup_codec``) before compression starts."""
+        return self.warmup.steps
+
+    @property
+    def warmup_codec(self) -> Codec | None:
+        """How warm-up steps are reduced (None: DDP's all-reduce)."""
+        return self.warmup.codec
+
+    @property
+    def velocity(self) -> dict[str, torch.Tensor]:
+        """Per-parameter local velocities of momentum correction (:class:`~commpress.optim.MomentumCorrection`)."""
+        return self.correction.velocity
+
+    @property
+    def momentum_rules(self) -> dict[str, MomentumRule]:
+        """The momentum rule the hook applies per parameter name (empty: none)."""
+        return self.correction.rules
+
+    @property
+    def momentum_masking(self) -> bool:
+        """DGC's momentum factor masking is on."""
+        return self.correction.masking
 
     def _new_feedback(self) -> tuple[ErrorFeedback | None, ErrorFeedback | None]:
         if not self.uses_feedback:
@@ -285,17 +280,24 @@ class CompressionState(checkpoint.StateFile):
             )
         return worker, server
 
+    def _auto_inputs(self) -> AutoInputs:
+        """What ``codec="auto"`` reads of this state (a record, not the state)."""
+        return AutoInputs(
+            codec=self.codec, algorithm=self.algorithm, world_size=self.world_size, group=self.process_group,
+            feedback=self.feedback is not None, masking=self.momentum_masking and self.feedback is not None,
+            momentum=bool(self.momentum_rules), counters=self._stats, flush=self.flush_residuals,
+        )
+
     def config(self) -> dict[str, Any]:
         """Everything all ranks must agree on (plain types)."""
         return {
             "codec": self.codec.config(),
             "algorithm": self.algorithm,
             "error_feedback": self.error_feedback,
-            "warmup_steps": self.warmup_steps,
-            "warmup_codec": None if self.warmup_codec is None else self.warmup_codec.config(),
+            **self.warmup.config(),
             "seed": self.seed,
             "momentum": self.momentum,
-            "momentum_rules": {k: r.as_list() for k, r in sorted(self.momentum_rules.items())},
+            "momentum_rules": self.correction.rules_state(),
             "world_size": self.world_size,
             "auto": None if self.auto is None else self.auto.config(),
             "params": [
@@ -311,23 +313,9 @@ class CompressionState(checkpoint.StateFile):
         """
         config = self.config()
         summary = (f"{self.codec!r}, algorithm={self.algorithm}, error_feedback={self.error_feedback}, "
-                   f"warmup_steps={self.warmup_steps}, {len(config['params'])} parameters")
+                   f"warmup_steps={self.warmup.steps}, {len(config['params'])} parameters")
         check_same_config(config, summary=summary, group=self.process_group, timeout_s=timeout_s,
                           what="commpress.ddp.register")
-
-    @staticmethod
-    def _warmup_codec(choice: str | Codec | None) -> Codec | None:
-        """Resolve and check a ``warmup_codec`` (None: the default; ``"dense"``: the all-reduce, None here)."""
-        if choice is None:
-            choice = DEFAULT_WARMUP_CODEC
-        if choice == "dense":
-            return None
-        if isinstance(choice, str) and ":" in choice:  # "qsgd:bits=8"
-            choice = codecs.from_spec(choice)
-        codec = comm.resolve_codec(choice, {}, "DDP's collectives")
-        if not (codec.unbiased or codec.cast_dtype is not None):
-            raise CodecError(f"warmup_codec must be unbiased or a cast (the warm-up keeps no residuals), got {codec!r}")
-        return codec
 
     def _adopt_optimizer(
         self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, masking: bool | None
@@ -347,7 +335,13 @@ class CompressionState(checkpoint.StateFile):
                 )
             return
         if is_adam_like(optimizer):
-            self._adopt_adam(module, optimizer, masking)
+            if self.momentum and adam_unsupported(optimizer) is None:
+                raise CodecError("pass either optimizer= (Adam's momentum moves into the hook) or momentum=, not both")
+            compressed = {id(p): (n, p.numel()) for n, p in module.named_parameters()
+                          if n in self.plans and self.plans[n].compressed}
+            self.adam, self.warmup.steps, masking = adopt_adam(optimizer, compressed, self.codec, self.warmup.steps,
+                                                               masking)
+            self.correction.masking = bool(masking)
             return
         if not is_sgd_like(optimizer) or not has_momentum(optimizer):
             logger.info("commpress: optimizer %s has no SGD momentum to take over; it runs unchanged",
@@ -355,154 +349,41 @@ class CompressionState(checkpoint.StateFile):
             return
         if self.momentum:
             raise CodecError("pass either optimizer= (its momentum moves into the hook) or momentum=, not both")
-        self._param_names = {id(p): n for n, p in module.named_parameters() if n in self.plans}
-        # buffers found become velocities: e.g. resuming from a dense run's checkpoint (a gain
-        # parameter folds it in when it compresses)
-        self._take_momentum()
-
-        def resync(*_: Any) -> None:  # before every step (schedulers)
-            if not self._momentum_in_optimizer:  # handed back, a scheduler's change is the optimizer's
-                self._take_momentum()
-
-        # after load_state_dict the loaded groups and buffers decide, wherever the momentum was: the hook takes them
-        optimizer.register_load_state_dict_post_hook(lambda *_: self._take_momentum())
-        optimizer.register_step_pre_hook(resync)
-        optimizer.register_step_post_hook(lambda *_: self.place_momentum())
+        self.handover = SGDHandover(
+            optimizer, {id(p): n for n, p in module.named_parameters() if n in self.plans}, self.correction,
+            {n: (p.numel, p.dtype) for n, p in self.plans.items()}, group=self.process_group, faults=self.faults,
+            device=lambda: self.auto.tensor_device if self.auto is not None else torch.device("cpu"),
+            want_optimizer=lambda: self.auto is not None and self.auto.all_exact(), where=lambda: f"step {self.step}",
+        )
         logger.info("commpress: %s momentum moved into the hook for %d parameters",
                     type(optimizer).__name__, len(self.momentum_rules))
 
-    # ----- where SGD momentum is applied: the hook, or the optimizer while auto is exact ---------
     @property
     def momentum_in_optimizer(self) -> bool:
         """True while the optimizer applies its own SGD momentum again (``codec="auto"``, every bucket exact)."""
-        return self._momentum_in_optimizer
+        return self.handover is not None and self.handover.in_optimizer
 
     def place_momentum(self) -> None:
-        """After ``optimizer.step()``: put SGD momentum where the next step needs it (all ranks alike).
-
-        Momentum correction is needed only where a bucket compresses. While ``codec="auto"``
-        reduces every bucket dense or fp16 and no residual is left (:meth:`AutoPolicy.all_exact`),
-        the velocities, averaged over ranks once, go back to the optimizer as its
-        ``momentum_buffer`` and it applies its momentum itself: the same update (averaging is
-        linear), with SGD's own fused passes where the hook's cost 6-7% of a step
-        (``scripts/bench_hook_overhead.py``). When a bucket is to compress again the hook takes
-        the buffers back as every rank's velocity. Weight decay then goes through the momentum,
-        as ``torch.optim.SGD`` defines it, instead of being applied once per step.
-        """
-        if self._param_names is None or not self.momentum_rules:  # no SGD momentum taken from optimizer=
-            return
-        want = self.auto is not None and self.auto.all_exact()
-        if want == self._momentum_in_optimizer:
-            return
-        if want:
-            with self.faults.guarded(f"step {self.step}, momentum hand-back"):  # never waits for a failed rank
-                self._give_momentum()
-        else:
-            self._take_momentum()
-        self._handovers += 1
-        logger.info("commpress: step %d: SGD momentum now applied by the %s", self.step,
-                    "optimizer (every bucket exact)" if want else "hook (a bucket compresses)")
-
-    def _take_momentum(self, keep_velocity: bool = False) -> None:
-        """The hook applies the momentum: groups' momentum to 0, buffers (unless ``keep_velocity``) to velocities."""
-        assert self.optimizer is not None and self._param_names is not None
-        self._momentum_in_optimizer = False
-        self.momentum_rules, found = take_over_momentum(self.optimizer, self._param_names)
-        if not keep_velocity:
-            for name, buf in found.items():
-                self.velocity[name] = _as_velocity(buf)
-
-    def _give_momentum(self) -> None:
-        """The optimizer applies the momentum: the velocities averaged over ranks become its buffers."""
-        assert self.optimizer is not None and self._param_names is not None
-        names = sorted(self.momentum_rules)  # the same on every rank (checked at registration)
-        averaged: dict[str, torch.Tensor] = {}
-        by_dtype: dict[torch.dtype, list[str]] = {}
-        for name in names:
-            by_dtype.setdefault(residual_dtype(self.plans[name].dtype), []).append(name)
-        device = self.auto.tensor_device if self.auto is not None else torch.device("cpu")
-        for dtype, group in sorted(by_dtype.items(), key=lambda kv: str(kv[0])):
-            # each velocity, or zeros where this rank has none, then one count per parameter
-            parts = [self.velocity[n].reshape(-1).to(dtype) if n in self.velocity
-                     else torch.zeros(self.plans[n].numel, dtype=dtype, device=device) for n in group]
-            parts.append(torch.tensor([float(n in self.velocity) for n in group], dtype=dtype, device=device))
-            flat = torch.cat(parts)
-            if self.world_size > 1:  # bounded by the fault channel, as the hook's collectives are
-                wait(dist.all_reduce(flat, group=self.process_group, async_op=True), flat.device)
-            counts = flat[-len(group):].tolist()
-            offset = 0
-            for n, count in zip(group, counts):
-                numel = self.plans[n].numel
-                if count > 0:
-                    averaged[n] = flat[offset : offset + numel].div_(count)
-                offset += numel
-        self.velocity = {}
-        give_back_momentum(self.optimizer, self._param_names, averaged)
-        self._momentum_in_optimizer = True
-
-    def _velocities(self) -> dict[str, torch.Tensor]:
-        """The velocities to checkpoint: the hook's, or the optimizer's buffers while it has them."""
-        if not self._momentum_in_optimizer or self.optimizer is None or self._param_names is None:
-            return {k: v.detach().clone() for k, v in self.velocity.items()}
-        out = {}
-        for p, name in ((p, self._param_names.get(id(p))) for g in self.optimizer.param_groups for p in g["params"]):
-            buf = self.optimizer.state.get(p, {}).get("momentum_buffer")
-            if name is not None and isinstance(buf, torch.Tensor):
-                out[name] = _as_velocity(buf)
-        return out
-
-    def _adopt_adam(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, masking: bool | None) -> None:
-        """Adam/AdamW: compressed momentum with the variance frozen after the dense warm-up."""
-        reason = adam_unsupported(optimizer)
-        if reason is not None:
-            logger.warning("commpress: %s: the optimizer runs unchanged on compressed gradients", reason)
-            return
-        if self.momentum:
-            raise CodecError("pass either optimizer= (Adam's momentum moves into the hook) or momentum=, not both")
-        if self.warmup_steps == 0:
-            self.warmup_steps = DEFAULT_WARMUP_STEPS
-            logger.info("commpress: %d dense warm-up steps before Adam's variance freezes", DEFAULT_WARMUP_STEPS)
-        compressed = {id(p): n for n, p in module.named_parameters() if n in self.plans and self.plans[n].compressed}
-        windows = {}  # top-k's sends hold ~1/ratio steps of momentum: widen Adam's bound as much
-        if self.codec.sparse and not self.codec.value_blind:
-            for p in module.parameters():
-                delta = self.codec.delta(p.numel()) if id(p) in compressed else None
-                if delta:
-                    windows[id(p)] = 1.0 / delta
-        self.adam = FrozenVarianceAdam(optimizer, compressed, self.warmup_steps, windows)
-        if self.codec.value_blind:
-            logger.warning(
-                "commpress: %r with %s: each element's momentum reaches the optimizer about once "
-                "per 1/ratio steps, and no update rule measured made that track dense (byte LM, "
-                "AdamW, 200 steps: +3.4%% held-out loss at ratio 0.01, +2.8%% at 0.1; top-k 1%% "
-                "+1.3%%); prefer \"topk\" with Adam (docs/benchmarks.md)", self.codec, type(optimizer).__name__,
-            )
-        if masking is None and self.codec.sparse:
-            # measured on the 10.8M-parameter byte LM (AdamW, 2 ranks, 200 steps): top-k 1%
-            # held-out loss 2.5615 -> 2.5355 (dense 2.4855); on SGD digits it cost top-k 0.8 points
-            self.momentum_masking = True
-        logger.info("commpress: %s momentum compressed for %d parameters after step %d (1-bit Adam's recipe)",
-                    type(optimizer).__name__, len(compressed), self.warmup_steps)
+        """After ``optimizer.step()``: put SGD momentum where the next step needs it (:meth:`SGDHandover.place`)."""
+        if self.handover is not None:
+            self.handover.place()
 
     def before_bucket(self) -> None:
         """Run a deferred ``verify=False`` check; start Adam's compressed momentum after warm-up."""
         if self._verify_pending is not None:
             timeout_s, self._verify_pending = self._verify_pending, None
             self._verify_ranks(timeout_s)
-        if self.adam is not None and not self.adam.active and self.step >= self.warmup_steps:
-            self.momentum_rules = self.adam.rules()
-            for name, m in self.adam.momenta().items():  # a resumed run keeps its checkpointed velocity
-                self.velocity.setdefault(name, _as_velocity(m))
-            self.adam.active = True
+        if self.adam is not None and not self.adam.active and self.step >= self.warmup.steps:
+            self.adam.start(self.correction)
 
     # ----- per-bucket planning ---------------------------------------------------------------
     def dense_step(self) -> bool:
         """True while the current step is dense: warm-up, or the divergence guard's dense steps."""
-        return self.step < self.warmup_steps or self.guard.dense_now()
+        return self.warmup.active(self.step) or self.guard.dense_now()
 
     def warmup_codec_now(self) -> Codec | None:
         """The codec of this warm-up step, or None for a dense all-reduce (also after warm-up)."""
-        return self.warmup_codec if self.step < self.warmup_steps else None
+        return self.warmup.codec_now(self.step)
 
     def flush_residuals(self, plan: BucketPlan, buffer: torch.Tensor) -> None:
         """Add this rank's residuals into a dense step's gradients and zero them (nothing lost).
@@ -570,52 +451,21 @@ class CompressionState(checkpoint.StateFile):
         the gradient, so error feedback sends it later instead of dropping it.
         """
         for p, off in zip(plan.params, plan.offsets):
-            rule = self.momentum_rules.get(p.name)
-            g = buffer[off : off + p.numel]
-            if rule is None or not all_finite(g):
-                continue
-            if compressing and self._momentum_as_gain(p):
-                g.mul_(rule.gain)
-                u = self.velocity.pop(p.name, None)
-                if u is not None:  # leaving a dense phase: nothing the velocity owes is lost
-                    g.add_(u.to(g.dtype), alpha=rule.pending)
-                continue
-            u = self.velocity.get(p.name)
-            if u is None:  # like torch.optim.SGD: the first velocity is the gradient itself
-                u = g.to(residual_dtype(g.dtype), copy=True)
-                self.velocity[p.name] = u
-            else:
-                u.mul_(rule.momentum).add_(g, alpha=1.0 - rule.dampening)
-            if rule.nesterov:
-                g.add_(u, alpha=rule.momentum)
-            else:
-                g.copy_(u)
+            self.correction.apply(p.name, buffer[off : off + p.numel], as_gain=compressing and self._momentum_as_gain(p))
 
     def _momentum_as_gain(self, plan: ParamPlan) -> bool:
         """True when ``plan``'s SGD momentum is a gain, not a velocity, on compressing steps (see above)."""
         return plan.compressed and self.codec.value_blind and self.adam is None
 
     def mask_momentum(self, plan: BucketPlan) -> None:
-        """DGC's momentum factor masking: zero the velocity of the entries just sent.
-
-        Sparse codecs name them (top-k's indices, random-k's seed): k entries touched. Others
-        mask where the residual is exactly 0 (a full scan of the residual).
-        """
-        if not self.momentum_masking or self.feedback is None:
+        """DGC's momentum factor masking of the bucket's compressed parameters (:meth:`MomentumCorrection.mask`)."""
+        if not self.correction.masking or self.feedback is None:
             return
+        algorithm = comm.get(self.algorithm)
         for p in plan.params:
-            u = self.velocity.get(p.name)
-            if u is None or not p.compressed:
-                continue
-            for piece in comm.get(self.algorithm).residual_layout(p.name, p.shape, self.codec, self.world_size):
-                if self.codec.sparse:
-                    sent = self.feedback.take_sent(piece.key)
-                    if sent is not None:
-                        u[piece.lo : piece.hi].index_fill_(0, sent, 0.0)
-                    continue
-                e = self.feedback.residual(piece.key)
-                if e is not None:  # a codec without indices: where the residual was emptied
-                    u[piece.lo : piece.hi].masked_fill_(e.reshape(-1) == 0, 0.0)
+            if p.compressed:
+                pieces = algorithm.residual_layout(p.name, p.shape, self.codec, self.world_size)
+                self.correction.mask(p.name, self.feedback, pieces, self.codec.sparse)
 
     def _residual_pieces(self, plan: ParamPlan) -> list[tuple[int, int, torch.Tensor]]:
         """``(start, stop, residual)`` of each piece of a parameter's flat residual."""
@@ -652,22 +502,17 @@ class CompressionState(checkpoint.StateFile):
         s: dict[str, float] = dict(self._stats.as_dict())
         s["steps"] = self.step
         s["counted_steps"] = self.step - self._stats_from_step
-        s["compression_ratio"] = s["dense_bytes"] / s["bytes_sent"] if s["bytes_sent"] else 1.0
-        s["wire_ratio"] = s["dense_wire"] / s["bytes_wire"] if s["bytes_wire"] else 1.0
-        steps = max(self.step - self._stats_from_step, 1)
-        s["bytes_sent_per_step"] = s["bytes_sent"] / steps
-        s["dense_bytes_per_step"] = s["dense_bytes"] / steps
+        opts.ratio_stats(s, self.step - self._stats_from_step)
         s.update(self.guard.stats())
         if self.auto is not None:
             s.update(self.auto.stats())
-        if self._param_names is not None:
-            s["momentum_in_optimizer"] = float(self._momentum_in_optimizer)
-            s["momentum_handovers"] = float(self._handovers)
+        if self.handover is not None:
+            s.update(self.handover.stats())
         return s
 
     def end_step(self, device: torch.device | str) -> None:
         """After the step's last bucket: let the guard count or decide, then advance the step."""
-        if self.step >= self.warmup_steps:
+        if not self.warmup.active(self.step):
             measured = self.guard.due(self.step)
             self.guard.end_step(measured, self.process_group, device)
         if self.auto is not None:
@@ -717,6 +562,12 @@ class CompressionState(checkpoint.StateFile):
             "feedback": None if self.feedback is None else self.feedback.state_dict(),
             "server_feedback": None if self.server_feedback is None else self.server_feedback.state_dict(),
         }
+
+    def _velocities(self) -> dict[str, torch.Tensor]:
+        """The velocities to checkpoint: the hook's, or the optimizer's buffers while it has them."""
+        if self.handover is not None:
+            return self.handover.velocities()
+        return {k: v.detach().clone() for k, v in self.velocity.items()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output after validating all of it (all or nothing).
@@ -773,24 +624,13 @@ class CompressionState(checkpoint.StateFile):
             )
         if float(state["momentum"]) != self.momentum:
             raise ValueError(f"momentum mismatch: checkpoint {state['momentum']!r}, this state {self.momentum!r}")
-        saved_rules = {
-            str(k): check_rule(v, f"momentum_rules[{k!r}]") for k, v in dict(state.get("momentum_rules") or {}).items()
-        }
+        saved_rules = MomentumCorrection.load_rules(state.get("momentum_rules"))
         if self.optimizer is None and saved_rules != self.momentum_rules:
             raise ValueError(
                 "momentum rules differ from the checkpoint (it was written with optimizer=...): "
                 "register with the same optimizer settings"
             )
-        velocity: dict[str, torch.Tensor] = {}
-        for name, v in dict(state["velocity"]).items():
-            plan = self.plans.get(name)
-            if plan is None or not isinstance(v, torch.Tensor) or v.dim() != 1 or v.numel() != plan.numel:
-                raise ValueError(f"velocity {name!r} does not match a parameter of this model")
-            if v.dtype not in (torch.float32, torch.float64) or not bool(torch.isfinite(v).all()):
-                raise ValueError(f"velocity {name!r} must be a finite float32/float64 tensor")
-            if v.numel() and float(v.abs().max()) > MAX_PLAUSIBLE_ABS:
-                raise ValueError(f"velocity {name!r} holds {float(v.abs().max()):.3g}, beyond {MAX_PLAUSIBLE_ABS:g}")
-            velocity[name] = v.detach().clone()
+        velocity = MomentumCorrection.load_velocities(state["velocity"], {n: p.numel for n, p in self.plans.items()})
         worker, server = self._new_feedback()
         for what, fb, saved_fb in (
             ("feedback", worker, state["feedback"]), ("server_feedback", server, state["server_feedback"]),
@@ -802,9 +642,10 @@ class CompressionState(checkpoint.StateFile):
         if "guard" in state:
             self.guard.load(state["guard"])
         self.feedback, self.server_feedback = worker, server
-        if self._momentum_in_optimizer:  # the checkpoint's velocities are the momentum now: the hook applies it
-            self._take_momentum(keep_velocity=True)
-        self.velocity = velocity
+        if self.momentum_in_optimizer:  # the checkpoint's velocities are the momentum now: the hook applies it
+            assert self.handover is not None
+            self.handover.take(keep_velocity=True)
+        self.correction.velocity = velocity
         self.step, self.seed = step, seed
         self._stats.load(stats.as_dict())  # in place: the collectives hold this object
         self._stats_from_step = stats_from

@@ -1,4 +1,4 @@
-"""The divergence guard: watch error feedback, and send dense for a while when it runs away.
+"""The divergence guard (an optimizer mode): watch error feedback, and send dense for a while when it runs away.
 
 Error-feedback instability shows early as residuals growing relative to what is compressed
 (the residual holds everything not yet sent; when the compressor drops more than the optimizer

@@ -1,0 +1,31 @@
+"""Optimizer modes owned by no adapter: DDP, FSDP and local-step training compose the same objects.
+
+Each mode works on parameter names and tensor views (never buckets or shards) and keeps its own
+checkpoint form and statistics; the divergence guard (:mod:`.guard`) is the template.
+
+- :mod:`.momentum`: DGC momentum correction and masking (:class:`MomentumCorrection`, :class:`MomentumRule`);
+- :mod:`.sgd`: the user's SGD momentum moved into the hook and handed back (:class:`SGDHandover`);
+- :mod:`.adam`: Adam/AdamW with compressed momentum and frozen variance (:class:`FrozenVarianceAdam`);
+- :mod:`.warmup`: dense or unbiased warm-up steps (:class:`Warmup`);
+- :mod:`.guard`: residual-to-input watch with dense fallback steps (:class:`DivergenceGuard`).
+"""
+
+from .adam import FrozenVarianceAdam, adam_unsupported, adopt_adam, is_adam_like
+from .guard import DivergenceGuard
+from .momentum import MomentumCorrection, MomentumRule, as_velocity, check_rule
+from .sgd import (
+    GROUP_KEY,
+    SGDHandover,
+    give_back_momentum,
+    has_momentum,
+    is_sgd_like,
+    take_over_momentum,
+)
+from .warmup import DEFAULT_WARMUP_CODEC, DEFAULT_WARMUP_STEPS, Warmup, resolve_warmup_codec
+
+__all__ = [
+    "DEFAULT_WARMUP_CODEC", "DEFAULT_WARMUP_STEPS", "DivergenceGuard", "FrozenVarianceAdam", "GROUP_KEY",
+    "MomentumCorrection", "MomentumRule", "SGDHandover", "Warmup", "adam_unsupported", "adopt_adam", "as_velocity",
+    "check_rule", "give_back_momentum", "has_momentum", "is_adam_like", "is_sgd_like", "resolve_warmup_codec",
+    "take_over_momentum",
+]
