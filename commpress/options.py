@@ -20,7 +20,12 @@ logger = logging.getLogger("commpress")
 
 
 def error_feedback_default(error_feedback: bool | None, codec: Codec) -> bool | None:
-    """``None`` -> on for the biased, contractive codecs, off for the unbiased ones (see ``CompressionState``)."""
+    """``None`` -> on for the biased, contractive codecs (topk, sign, unscaled randomk), off for the unbiased ones.
+
+    Error feedback needs a contraction: the unbiased codecs' variance exceeds ``||x||^2`` (QSGD
+    at 4 bits: ~2x on Gaussian input), so the residual grows geometrically; measured,
+    qsgd(bits=4) + error feedback diverged.
+    """
     if error_feedback is None:
         return not codec.unbiased
     return error_feedback

@@ -29,7 +29,7 @@ def fixed_method(auto_method: str, world: int) -> str:
     params = dict(p.split("=", 1) for p in auto_method.partition(":")[2].split(",") if "=" in p)
     codec = params.pop("auto_codec", None)
     if codec is None:  # the speed workload passes SGD(momentum=0.9) as optimizer=: the hook owns the momentum
-        from commpress.ddp.auto import default_candidate
+        from commpress.ddp.candidate import default_candidate
 
         codec, defaults, _ = default_candidate(None, momentum=0.9, world_size=world)
         params = {k: str(v) for k, v in defaults.items()}

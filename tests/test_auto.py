@@ -180,7 +180,7 @@ def test_auto_options_are_checked() -> None:
 
 def test_default_candidate_follows_who_owns_the_momentum() -> None:
     """Top-k or sign only where the hook will own the momentum, by bytes; QSGD elsewhere."""
-    from commpress.ddp.auto import default_candidate, wire_bytes_per_element
+    from commpress.ddp.candidate import default_candidate, wire_bytes_per_element
 
     params = [torch.nn.Parameter(torch.zeros(4))]
     sgd = torch.optim.SGD(params, lr=0.1, momentum=0.9)

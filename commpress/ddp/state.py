@@ -17,7 +17,7 @@ from ..comm import CommStats, check_algorithm
 from ..comm.agreement import check_same_config
 from ..comm.driver import FaultChannel
 from ..errors import CodecError
-from ..feedback import ErrorFeedback, check_state_header
+from ..feedback import ErrorFeedback
 from ..optim import (
     DivergenceGuard,
     FrozenVarianceAdam,
@@ -32,6 +32,7 @@ from ..optim import (
     is_sgd_like,
 )
 from ..rng import derive_seed
+from . import checkpointing, residuals
 from .auto import AutoInputs, AutoPolicy
 from .planning import (
     BucketPlan,
@@ -42,15 +43,9 @@ from .planning import (
     plan_parameters,
 )
 
-STATE_FORMAT = 1
 #: How long registration waits for every rank to register too (gloo), before failing.
 VERIFY_TIMEOUT_S = 60
 logger = logging.getLogger("commpress")
-
-
-def _norm_sq(x: torch.Tensor) -> float:
-    """``||x||^2`` in one read of ``x`` (``x.square().sum()`` wrote a temporary: ~30 ms at 67 MB)."""
-    return float(torch.linalg.vector_norm(x, dtype=torch.float32 if x.dtype != torch.float64 else None)) ** 2
 
 
 class CompressionState(checkpoint.StateFile):
@@ -68,30 +63,13 @@ class CompressionState(checkpoint.StateFile):
             ``auto_margin``, ``auto_link``, ``auto_device``).
         error_feedback: keep per-parameter residuals of what compression dropped (and, for the
             two-phase algorithm, server-side residuals of the re-encoding). ``None`` (default):
-            on for the biased, contractive codecs (topk, sign, unscaled randomk) and off for
-            the unbiased ones (qsgd, scaled randomk): error feedback needs a contraction, and
-            their variance exceeds ``||x||^2`` (QSGD at 4 bits: ~2x on Gaussian input), so the
-            residual grows geometrically; measured, qsgd(bits=4) + error feedback diverged.
-            Never applied to none/fp16/bf16 (rounding only).
-        warmup_steps: the first ``warmup_steps`` communication steps are plain dense
-            all-reduces (as DGC and 1-bit Adam do), or use ``warmup_codec``. ``None`` (default):
-            :data:`~commpress.optim.warmup.DEFAULT_WARMUP_STEPS` (50) where compression needs it,
-            else 0: before Adam's variance freezes (Adam/AdamW passed as ``optimizer``; 0 there
-            is raised to 50 too), and for value-blind codecs with error feedback (random-k),
-            whose residual sends each element ~1/ratio steps late, too late for the first
-            steps' fast-changing gradients (digits MLP, ``SGD(lr=0.1, momentum=0.9)``, random-k
-            1%, seeds 0-3: 89.4 / 96.2 / 92.2 / 94.5% without, 97.2 / 96.7 / 97.0 / 97.5% with
-            50 dense steps; dense 97.7%).
-        warmup_codec: how the warm-up steps are reduced: ``None`` (default): 8-bit QSGD
-            (:data:`~commpress.optim.warmup.DEFAULT_WARMUP_CODEC`, unbiased, no residuals, 4x fewer
-            bytes than the all-reduce); ``"dense"``: DDP's all-reduce; or another codec without
-            error feedback (``"qsgd"`` for 4 bits, ``"fp16"``, a :class:`Codec`). Measured
-            (``docs/benchmarks.md``): with AdamW on the 10.8M-parameter byte LM, 8-bit QSGD
-            instead of dense warm-up steps took top-k 1% from +1.71% to +0.94% of dense's
-            held-out loss and sign from +1.08% to +0.61%; on the digits MLP, AdamW: sign 94.0%
-            vs 94.5%, top-k 95.0% vs 95.2% (dense 96.0%); SGD momentum, random-k 1% seeds 0-3:
-            97.0 / 97.0 / 97.0 / 97.5% vs 97.2 / 96.7 / 97.0 / 97.5% (dense 97.7%). 4-bit QSGD
-            helped the LM more (top-k -0.24%, sign -0.85%) but cost sign 4.6 points on digits.
+            on for the biased, contractive codecs, off for the unbiased ones
+            (:func:`commpress.options.error_feedback_default` says why); never for none/fp16/bf16.
+        warmup_steps, warmup_codec: the first ``warmup_steps`` steps are reduced by
+            ``warmup_codec`` (default 8-bit QSGD; ``"dense"``: DDP's all-reduce) before
+            compression starts; ``None`` (default): 50 where compression needs it (Adam's
+            variance must settle; value-blind codecs with error feedback), else 0. See
+            :mod:`commpress.optim.warmup` for the defaults and what they were measured against.
         min_numel, dense_1d: parameters with fewer elements, or 1-D ones (biases, norms), stay
             dense; ``compress_filter(name, param) -> bool`` replaces this rule.
         process_group: defaults to the DDP model's process group (else the default group).
@@ -386,41 +364,12 @@ class CompressionState(checkpoint.StateFile):
         return self.warmup.codec_now(self.step)
 
     def flush_residuals(self, plan: BucketPlan, buffer: torch.Tensor) -> None:
-        """Add this rank's residuals into a dense step's gradients and zero them (nothing lost).
-
-        Worker residuals are this rank's own; a two-phase server residual is an average already,
-        so it is added ``world_size`` times before the dense all-reduce divides by it.
-        """
-        if self.feedback is None:
-            return
-        for p, off in zip(plan.params, plan.offsets):
-            if not p.compressed:
-                continue
-            for lo, hi, e in self._residual_pieces(p):
-                buffer[off + lo : off + hi].add_(e.reshape(-1).to(buffer.dtype))
-                e.zero_()
-            if self.server_feedback is not None:
-                for piece in comm.get(self.algorithm).server_layout(
-                    p.name, p.shape, self.codec, self.world_size, self.rank
-                ):
-                    server_e = self.server_feedback.residual(piece.key)
-                    if server_e is not None:
-                        buffer[off + piece.lo : off + piece.hi].add_(
-                            server_e.reshape(-1).to(buffer.dtype), alpha=self.world_size
-                        )
-                        server_e.zero_()
+        """Add this rank's residuals into a dense step's gradients and zero them (:func:`.residuals.flush`)."""
+        residuals.flush(self, plan, buffer)
 
     def norms_sq(self, plan: BucketPlan, buffer: torch.Tensor | None) -> float:
         """Squared norm of the compressed parameters' input in ``buffer``, or of their residuals."""
-        total = 0.0
-        for p, off in zip(plan.params, plan.offsets):
-            if not p.compressed:
-                continue
-            if buffer is not None:
-                total += _norm_sq(buffer[off : off + p.numel])
-            else:
-                total += sum(_norm_sq(e) for _, _, e in self._residual_pieces(p))
-        return total
+        return residuals.norms_sq(self, plan, buffer)
 
     def bucket_plan(self, params: list[torch.Tensor], buffer_numel: int) -> BucketPlan:
         """The (cached) plan of a bucket holding ``params``; buckets change after step 1."""
@@ -438,17 +387,8 @@ class CompressionState(checkpoint.StateFile):
         collectives' non-finite policy then voids the step on every rank).
 
         Compressed parameters of a value-blind codec (random-k) with SGD momentum get the
-        momentum's steady-state gain (:attr:`MomentumRule.gain`) instead, on the steps that
-        compress them (``compressing``): their residual holds each element ~1/ratio steps (100
-        at ratio 0.01), far longer than momentum 0.9 remembers, and a velocity carried across
-        those sends only adds inertia. Measured on the digits MLP (``SGD(lr=0.1,
-        momentum=0.9)``, random-k 1%, 2 ranks): with a velocity 31.5% without the divergence
-        guard and 94.2% with it (100 of 240 steps dense); with the gain 96.5% and the guard
-        never fires (dense 97.7%). Dense steps (warm-up, the guard's) keep a true velocity: a
-        gain on a dense gradient is plain SGD at 1/(1-m) times the rate, without momentum's
-        smoothing, and diverged there. At the first compressing step after dense ones, what
-        the velocity would still have moved the parameter (:attr:`MomentumRule.pending`) joins
-        the gradient, so error feedback sends it later instead of dropping it.
+        momentum's steady-state gain instead on the steps that compress them (``compressing``;
+        :meth:`~commpress.optim.MomentumCorrection.apply` says why and what was measured).
         """
         for p, off in zip(plan.params, plan.offsets):
             self.correction.apply(p.name, buffer[off : off + p.numel], as_gain=compressing and self._momentum_as_gain(p))
@@ -466,14 +406,6 @@ class CompressionState(checkpoint.StateFile):
             if p.compressed:
                 pieces = algorithm.residual_layout(p.name, p.shape, self.codec, self.world_size)
                 self.correction.mask(p.name, self.feedback, pieces, self.codec.sparse)
-
-    def _residual_pieces(self, plan: ParamPlan) -> list[tuple[int, int, torch.Tensor]]:
-        """``(start, stop, residual)`` of each piece of a parameter's flat residual."""
-        if self.feedback is None:
-            return []
-        pieces = comm.get(self.algorithm).residual_layout(plan.name, plan.shape, self.codec, self.world_size)
-        found = [(piece.lo, piece.hi, self.feedback.residual(piece.key)) for piece in pieces]
-        return [(lo, hi, e) for lo, hi, e in found if e is not None]
 
     def param_seed(self, plan: ParamPlan) -> int:
         """Seed shared by all ranks for ``plan``'s parameter at the current step."""
@@ -526,48 +458,16 @@ class CompressionState(checkpoint.StateFile):
 
     def residual(self, name: str) -> torch.Tensor | None:
         """The worker-side residual of parameter ``name`` (None before its first step)."""
-        plan = self.plans.get(name)
-        if plan is None or not plan.compressed:
-            return None
-        pieces = self._residual_pieces(plan)
-        if len(pieces) != len(comm.get(self.algorithm).residual_layout(plan.name, plan.shape, self.codec, self.world_size)):
-            return None  # before its first step
-        if len(pieces) == 1:
-            return pieces[0][2].view(plan.shape)
-        return torch.cat([e.reshape(-1) for _, _, e in pieces]).view(plan.shape)
+        return residuals.residual(self, name)
 
-    # ----- checkpointing -------------------------------------------------------------------
+    # ----- checkpointing (the form and its validation: :mod:`.checkpointing`) ----------------
     def state_dict(self) -> dict[str, Any]:
         """Residuals (keyed by parameter name), codec config, step and seed; this rank's only.
 
         Error-feedback residuals differ per rank: save one file per rank. Only tensors and
         plain types, so ``torch.load(..., weights_only=True)`` reads it back.
         """
-        return {
-            "format": STATE_FORMAT,
-            "codec": self.codec.config(),
-            "algorithm": self.algorithm,
-            "error_feedback": self.error_feedback,
-            "world_size": self.world_size,
-            "rank": self.rank,
-            "seed": self.seed,
-            "step": self.step,
-            "shapes": {p.name: list(p.shape) for p in self.plans.values() if p.compressed},
-            "momentum": self.momentum,
-            "momentum_rules": {k: r.as_list() for k, r in self.momentum_rules.items()},
-            "velocity": self._velocities(),
-            "guard": self.guard.state(),
-            "stats": self._stats.as_dict(),
-            "stats_from_step": self._stats_from_step,
-            "feedback": None if self.feedback is None else self.feedback.state_dict(),
-            "server_feedback": None if self.server_feedback is None else self.server_feedback.state_dict(),
-        }
-
-    def _velocities(self) -> dict[str, torch.Tensor]:
-        """The velocities to checkpoint: the hook's, or the optimizer's buffers while it has them."""
-        if self.handover is not None:
-            return self.handover.velocities()
-        return {k: v.detach().clone() for k, v in self.velocity.items()}
+        return checkpointing.state_dict(self)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output after validating all of it (all or nothing).
@@ -577,78 +477,9 @@ class CompressionState(checkpoint.StateFile):
         entries of the wrong type (a malformed or hostile checkpoint).
         """
         try:
-            self._load_state_dict(state)
+            checkpointing.load_state_dict(self, state)
         except (TypeError, OverflowError, KeyError, IndexError, AttributeError) as exc:
             raise ValueError(f"commpress DDP state: malformed entry ({type(exc).__name__}: {str(exc)[:200]})") from None
-
-    def _load_state_dict(self, state: Mapping[str, Any]) -> None:
-        required = {
-            "algorithm", "error_feedback", "world_size", "rank", "seed", "step",
-            "shapes", "feedback", "server_feedback", "momentum", "velocity",
-        }
-        check_state_header(state, required=required, fmt=STATE_FORMAT, codec=self.codec, what="commpress DDP state")
-        if state["algorithm"] != self.algorithm:
-            raise ValueError(f"algorithm mismatch: checkpoint has {state['algorithm']!r}, this state {self.algorithm!r}")
-        if state["world_size"] != self.world_size:
-            raise ValueError(
-                f"world size mismatch: checkpoint was written by {state['world_size']} ranks, this process "
-                f"group has {self.world_size} (residuals are per rank and cannot be redistributed)"
-            )
-        if state["rank"] != self.rank:
-            raise ValueError(
-                f"rank mismatch: this is rank {self.rank}'s state slot but the checkpoint is rank "
-                f"{state['rank']}'s; save and load one commpress state per rank"
-            )
-        if bool(state["error_feedback"]) != self.error_feedback:
-            raise ValueError(
-                f"error_feedback mismatch: checkpoint {state['error_feedback']!r}, this state {self.error_feedback!r}"
-            )
-        step, seed = state["step"], state["seed"]
-        if not isinstance(step, int) or not 0 <= step < 1 << 62 or not isinstance(seed, int) or not 0 <= seed < 1 << 64:
-            raise ValueError(f"step must be an int in [0, 2**62) and seed in [0, 2**64), got {step!r} / {seed!r}")
-        stats = CommStats()
-        stats_from = step  # a checkpoint without counters: count from here
-        if "stats" in state:
-            stats.load(dict(state["stats"]))
-            stats_from = state.get("stats_from_step", 0)
-            if not isinstance(stats_from, int) or not 0 <= stats_from <= step:
-                raise ValueError(f"stats_from_step must be an int in [0, step], got {stats_from!r}")
-        mine = {p.name: list(p.shape) for p in self.plans.values() if p.compressed}
-        theirs = {str(k): [int(d) for d in v] for k, v in dict(state["shapes"]).items()}
-        if theirs != mine:
-            extra, lost = sorted(set(theirs) - set(mine)), sorted(set(mine) - set(theirs))
-            changed = sorted(k for k in set(mine) & set(theirs) if mine[k] != theirs[k])
-            raise ValueError(
-                "compressed parameters differ from the checkpoint: "
-                f"only in checkpoint {extra}, only here {lost}, shape changed {changed}"
-            )
-        if float(state["momentum"]) != self.momentum:
-            raise ValueError(f"momentum mismatch: checkpoint {state['momentum']!r}, this state {self.momentum!r}")
-        saved_rules = MomentumCorrection.load_rules(state.get("momentum_rules"))
-        if self.optimizer is None and saved_rules != self.momentum_rules:
-            raise ValueError(
-                "momentum rules differ from the checkpoint (it was written with optimizer=...): "
-                "register with the same optimizer settings"
-            )
-        velocity = MomentumCorrection.load_velocities(state["velocity"], {n: p.numel for n, p in self.plans.items()})
-        worker, server = self._new_feedback()
-        for what, fb, saved_fb in (
-            ("feedback", worker, state["feedback"]), ("server_feedback", server, state["server_feedback"]),
-        ):
-            if (fb is None) != (saved_fb is None):
-                raise ValueError(f"{what}: checkpoint {'has' if saved_fb is not None else 'lacks'} it, this state does not agree")
-            if fb is not None:
-                fb.load_state_dict(saved_fb)  # validates keys, shapes, dtypes, finiteness
-        if "guard" in state:
-            self.guard.load(state["guard"])
-        self.feedback, self.server_feedback = worker, server
-        if self.momentum_in_optimizer:  # the checkpoint's velocities are the momentum now: the hook applies it
-            assert self.handover is not None
-            self.handover.take(keep_velocity=True)
-        self.correction.velocity = velocity
-        self.step, self.seed = step, seed
-        self._stats.load(stats.as_dict())  # in place: the collectives hold this object
-        self._stats_from_step = stats_from
 
     def __repr__(self) -> str:
         dense = sum(1 for p in self.plans.values() if not p.compressed)

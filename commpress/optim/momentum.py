@@ -99,9 +99,20 @@ class MomentumCorrection:
 
         A non-finite gradient keeps its velocity and its NaN (the collectives' non-finite policy
         then voids the step on every rank). ``as_gain``: multiply ``g`` by the rule's
-        steady-state gain instead of keeping a velocity (value-blind codecs on compressing
-        steps; see ``CompressionState.apply_momentum``), first folding in what a velocity left
-        from dense steps still owes (:attr:`MomentumRule.pending`).
+        steady-state gain (:attr:`MomentumRule.gain`) instead of keeping a velocity.
+
+        The gain is for compressed parameters of a value-blind codec (random-k) with SGD
+        momentum, on the steps that compress them: their residual holds each element ~1/ratio
+        steps (100 at ratio 0.01), far longer than momentum 0.9 remembers, and a velocity
+        carried across those sends only adds inertia. Measured on the digits MLP
+        (``SGD(lr=0.1, momentum=0.9)``, random-k 1%, 2 ranks): with a velocity 31.5% without
+        the divergence guard and 94.2% with it (100 of 240 steps dense); with the gain 96.5% and
+        the guard never fires (dense 97.7%). Dense steps (warm-up, the guard's) keep a true
+        velocity: a gain on a dense gradient is plain SGD at 1/(1-m) times the rate, without
+        momentum's smoothing, and diverged there. At the first compressing step after dense
+        ones, what the velocity would still have moved the parameter
+        (:attr:`MomentumRule.pending`) joins the gradient, so error feedback sends it later
+        instead of dropping it.
         """
         rule = self.rules.get(name)
         if rule is None or not all_finite(g):
