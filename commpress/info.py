@@ -22,8 +22,8 @@ def _has_module(name: str) -> bool:
 
 
 def _cuda_sources_present() -> bool:
-    # the CuPy backend compiles csrc/cuda at run time (commpress/kernels/cupy_cuda.py)
-    from .kernels.cupy_cuda import CSRC, UNITS
+    # the CuPy backend compiles csrc/cuda at run time (commpress/kernels/cupy_header.py)
+    from .kernels.cupy_header import CSRC, UNITS
 
     return all((CSRC / "cuda" / f"{unit}.cu").is_file() for unit in UNITS)
 

@@ -1,4 +1,5 @@
-"""The CuPy CUDA backend (commpress/kernels/cupy_cuda.py).
+"""The CuPy CUDA backend (commpress/kernels/cupy_cuda.py and its rooms cupy_header, cupy_nvrtc,
+cupy_launch).
 
 Without a GPU (any machine with CuPy's NVRTC): the exact sources, options and name expressions
 the backend uses compile for sm_80/sm_90 and every kernel it launches is in the result; every
@@ -24,7 +25,7 @@ from commpress.codecs import randomk as randomk_mod
 from commpress.codecs import sign as sign_mod
 from commpress.codecs import topk as topk_mod
 from commpress.errors import KernelArgumentError, NonFiniteError
-from commpress.kernels import cupy_cuda, ops
+from commpress.kernels import cupy_cuda, cupy_header, cupy_nvrtc, ops, schema
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 ARCHS = ["compute_80", "compute_90"]
@@ -47,7 +48,7 @@ _images: dict[tuple[str, str], tuple[str, dict[str, str]]] = {}
 def _ptx(unit: str, arch: str = "compute_90") -> tuple[str, dict[str, str]]:
     if (unit, arch) not in _images:
         _nvrtc()
-        image, lowered = cupy_cuda.compile_unit(unit, arch)
+        image, lowered = cupy_nvrtc.compile_unit(unit, arch)
         _images[unit, arch] = image.decode(), lowered
     return _images[unit, arch]
 
@@ -67,10 +68,10 @@ def _entry_params(ptx: str, lowered: str) -> list[tuple[str, int]]:
 
 # ----- without a GPU --------------------------------------------------------------------------------
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("unit", cupy_cuda.UNITS)
+@pytest.mark.parametrize("unit", cupy_header.UNITS)
 def test_sources_compile_and_every_kernel_lowers(unit: str, arch: str) -> None:
     ptx, lowered = _ptx(unit, arch)
-    _, _, names = cupy_cuda.module_source(unit)
+    _, _, names = cupy_nvrtc.module_source(unit)
     assert set(lowered) == set(names) and names
     entries = set(re.findall(r"\.entry\s+([\w$]+)\s*\(", ptx))
     assert not [n for n in names if lowered[n] not in entries]
@@ -78,41 +79,41 @@ def test_sources_compile_and_every_kernel_lowers(unit: str, arch: str) -> None:
 
 def test_cubin_for_a_real_gpu_arch() -> None:
     _nvrtc()
-    image, _ = cupy_cuda.compile_unit("bitpack", "sm_90")
+    image, _ = cupy_nvrtc.compile_unit("bitpack", "sm_90")
     assert image[:4] == b"\x7fELF"
 
 
 def test_module_source_is_the_nvcc_source() -> None:
-    code, options, _ = cupy_cuda.module_source("sign")
-    assert code == (cupy_cuda.CSRC / "cuda" / "sign.cu").read_text()
+    code, options, _ = cupy_nvrtc.module_source("sign")
+    assert code == (cupy_header.CSRC / "cuda" / "sign.cu").read_text()
     # results must not depend on the compiler: no flush-to-zero, IEEE division and sqrt
     assert "-ftz=false" in options and "-prec-div=true" in options and "-prec-sqrt=true" in options
 
 
 def test_launch_parameters_come_from_the_cuda_header() -> None:
-    """cupy_cuda restates nothing: constants and kernel names are read from launch_params.h."""
-    p = cupy_cuda.launch_params()
+    """cupy_header restates nothing: constants and kernel names are read from launch_params.h."""
+    p = cupy_header.launch_params()
     assert (p.kThreads, p.kWarp, p.kMaxBlocks, p.kGroupElems) == (256, 32, 1 << 16, 1024)
     assert (p.kSumAbs, p.kMaxAbs, p.kFlagNonFinite, p.kFlagTooBig) == (0, 3, 1, 4)
     assert p.kBins == 1 << p.kDigitBits
     assert p.kTopkScratchWords == p.kSelectStateWords + p.kBins + 3 * p.kCountBlocks
-    assert set(p.kernels) == set(cupy_cuda.UNITS)
-    sign = cupy_cuda.module_source("sign")[2]
+    assert set(p.kernels) == set(cupy_header.UNITS)
+    sign = cupy_nvrtc.module_source("sign")[2]
     assert "commpress::cuda::sign_encode_kernel<commpress::Half, true>" in sign
     assert len(sign) == len(set(sign)) == 1 + 4 * 2 + 4 * (1 + 2 + 2)
-    qsgd = cupy_cuda.module_source("qsgd")[2]
+    qsgd = cupy_nvrtc.module_source("qsgd")[2]
     assert "commpress::cuda::group_sums_kernel<commpress::cuda::kMaxAbs, double, false>" in qsgd
     assert not any("kSumSquare, double" in name for name in qsgd)
-    header = (cupy_cuda.CSRC / "cuda" / "launch_params.h").read_text()
+    header = (cupy_header.CSRC / "cuda" / "launch_params.h").read_text()
     for source in ("common.cuh", "bitpack.cu"):  # the launchers include the same header
-        assert '#include "launch_params.h"' in (cupy_cuda.CSRC / "cuda" / source).read_text()
+        assert '#include "launch_params.h"' in (cupy_header.CSRC / "cuda" / source).read_text()
     assert "kThreads = 256" in header
 
 
 def test_grid_and_scratch_functions_evaluate_as_the_compiler_does() -> None:
     """The header's static_asserts (checked by nvcc/NVRTC) hold for the Python evaluation too."""
-    p = cupy_cuda.launch_params()
-    header = (cupy_cuda.CSRC / "cuda" / "launch_params.h").read_text()
+    p = cupy_header.launch_params()
+    header = (cupy_header.CSRC / "cuda" / "launch_params.h").read_text()
     asserts = re.findall(r"static_assert\((.*?),\s*\"", header, re.S)
     assert len(asserts) >= 4
     env = vars(p)
@@ -139,18 +140,31 @@ def test_grid_and_scratch_functions_evaluate_as_the_compiler_does() -> None:
     assert p.kQsgdWidths == (2, 4, 8)
     assert p.domains["T"] == ["float", "commpress::Half", "commpress::BFloat16", "double"]
     with pytest.raises(ValueError, match="one top-level"):
-        cupy_cuda._function("f", "int64_t a", "a ? 1 : a ? 2 : 3", {})
+        cupy_header._function("f", "int64_t a", "a ? 1 : a ? 2 : 3", {})
     with pytest.raises(ValueError, match="int64_t arguments"):
-        cupy_cuda._function("f", "int a", "a", {})
+        cupy_header._function("f", "int a", "a", {})
 
 
 def test_import_does_not_load_cupy_or_cuda() -> None:
     code = (
         "import sys, commpress, commpress.kernels.ops, commpress.kernels.cupy_cuda\n"
+        "import commpress.kernels.cupy_header, commpress.kernels.cupy_nvrtc\n"
+        "import commpress.kernels.cupy_launch\n"
         "assert 'cupy' not in sys.modules, 'cupy imported'\n"
         "import torch; assert not torch.cuda.is_initialized()\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_the_backend_module_still_offers_what_it_did_before_the_split() -> None:
+    """Imports from ``cupy_cuda`` (info.py's and users') keep working: the same objects."""
+    assert cupy_cuda.CSRC == cupy_header.CSRC and cupy_cuda.UNITS == cupy_header.UNITS
+    assert cupy_cuda.launch_params is cupy_header.launch_params
+    assert cupy_cuda.module_source is cupy_nvrtc.module_source
+    assert cupy_cuda.compile_unit is cupy_nvrtc.compile_unit
+    assert cupy_cuda.unavailable is cupy_nvrtc.unavailable
+    assert cupy_cuda.OPS == frozenset(schema.OP_NAMES)
+    assert all(callable(getattr(cupy_cuda, op)) for op in cupy_cuda.OPS)
 
 
 @pytest.mark.skipif(
@@ -165,7 +179,7 @@ def test_without_a_gpu_cuda_ops_fall_back_to_the_reference() -> None:
 
 
 class _Recorder:
-    """Stands in for ``_Launcher``: records every launch instead of running it."""
+    """Stands in for ``cupy_nvrtc.Launcher``: records every launch instead of running it."""
 
     launches: list[tuple[str, str, int, int, tuple[Any, ...]]] = []
 
@@ -202,13 +216,13 @@ def _run_every_op(dtype: torch.dtype, n: int) -> None:
 def test_launch_arguments_match_the_compiled_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every launch of every op (recorded on CPU tensors) against the PTX parameter lists."""
     _nvrtc()
-    monkeypatch.setattr(cupy_cuda, "_Launcher", _Recorder)
+    monkeypatch.setattr(cupy_cuda, "Launcher", _Recorder)  # the ops build every launcher
     _Recorder.launches = []
     for dtype in DTYPES:
         for n in (1, 100, 3000):  # one block, several blocks, several summation groups
             _run_every_op(dtype, n)
     launched = {(unit, name) for unit, name, *_ in _Recorder.launches}
-    expected = {(u, name) for u in cupy_cuda.UNITS for name in cupy_cuda.module_source(u)[2]}
+    expected = {(u, name) for u in cupy_header.UNITS for name in cupy_nvrtc.module_source(u)[2]}
     assert launched <= expected  # every launched kernel is compiled ...
     # int64 top-k indices need more than 2**31 elements: not recordable here
     missing = {

@@ -5,27 +5,17 @@ a build for another torch) still has CUDA tensors to compress. This backend comp
 same kernel sources as the nvcc build (``csrc/cuda/*.cu``, one source, no copies) with NVRTC
 and launches them with CuPy, so CUDA tensors get the native kernels' results bit for bit.
 
+This module owns the ops (the backend's entry points, :data:`OPS`); the rooms below it:
+
+* :mod:`.cupy_header` -- where the sources are and what ``csrc/cuda/launch_params.h`` says
+  (constants, grid and scratch functions, the kernel table), evaluated from its text.
+* :mod:`.cupy_nvrtc` -- NVRTC compile with nvcc's default options, load, the per-unit
+  :class:`~.cupy_nvrtc.Launcher` on torch's current stream, and :func:`unavailable`.
+* :mod:`.cupy_launch` -- the launch steps the C launchers share (grids, pointer arguments,
+  the block layout and the block codecs' encode sequence).
+
 How it maps onto the native build:
 
-* **Sources.** Each ``csrc/cuda/<unit>.cu`` is one NVRTC program (like one nvcc translation
-  unit). Their host code -- the C launchers and ``<<<...>>>`` -- is fenced off with
-  ``#ifndef __CUDACC_RTC__``; ``csrc/cuda/nvrtc/`` stands in for the few system headers. The
-  kernels are templates: every instantiation the launchers use is an NVRTC name expression
-  in the table of ``csrc/cuda/launch_params.h`` (:func:`launch_params`), looked up by its
-  lowered name.
-* **Launch parameters** come from that same header, which the C launchers include:
-  threads, grid caps, reduction kinds, flag bits, the top-k scratch layout, the template
-  domains the launchers dispatch over (storage types, pack and QSGD widths), and every grid
-  and scratch size as a ``constexpr`` function (``grid_items``, ``grid_words``,
-  ``grid_count``, ``reduce_scratch``, ``encode_scratch``, ...). The C launchers call those
-  functions; :func:`launch_params` evaluates the very same text (a small checked subset of C
-  integer arithmetic), and the header's ``static_assert`` values pin both evaluations. A
-  change of geometry is one edit in ``launch_params.h``.
-* **Compiler options** are nvcc's defaults spelled out (``-ftz=false -prec-div=true
-  -prec-sqrt=true -fmad=true``): results must not depend on the compiler. That is also why
-  this module calls NVRTC itself (:func:`compile_unit`) and loads the binary with
-  ``cupy.RawModule(path=...)`` instead of ``RawModule(code=...)``: CuPy appends ``-ftz=true``
-  to every source it compiles, which would flush float32 subnormals to zero.
 * **Launches** follow the C launchers (``csrc/cuda/*.cu``, ``extern "C"``) step by step: the
   same kernels in the same order with the same grid functions, scratch offsets and flag words,
   on torch's current stream. What is written on both sides is only that sequence of calls
@@ -45,15 +35,6 @@ Nothing here touches CUDA or CuPy before an op runs or :func:`unavailable` is ca
 
 from __future__ import annotations
 
-import ast
-import itertools
-import os
-import re
-import tempfile
-import threading
-from functools import lru_cache
-from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -62,408 +43,29 @@ import torch
 from .. import rng
 from ..dtypes import index_dtype
 from . import checks, schema
+from .cupy_header import CSRC, UNITS, launch_params
+from .cupy_launch import (
+    BOOLS,
+    CTYPE,
+    NS,
+    BlockEncode,
+    launch_check_finite,
+    layout,
+    per_item,
+    per_word,
+    ptr,
+    read_flags,
+)
+from .cupy_nvrtc import Launcher, compile_unit, module_source, unavailable
 from .schema import implements
 
 OPS = frozenset(schema.OP_NAMES)  # all of them
 
-#: The CUDA sources the backend compiles at run time: csrc/ of the checkout (source and editable
-#: installs), else the copy setup.py puts into the package (wheels and ``pip install .``).
-_CHECKOUT_CSRC = Path(__file__).resolve().parents[2] / "csrc"
-CSRC = _CHECKOUT_CSRC if (_CHECKOUT_CSRC / "cuda").is_dir() else Path(__file__).resolve().parents[1] / "_csrc"
-UNITS = ("bitpack", "sign", "qsgd", "topk", "randomk")
-
-# Storage type of each dtype in the kernels (include/commpress/hd.h).
-_CTYPE = {
-    torch.float32: "float",
-    torch.float16: "commpress::Half",
-    torch.bfloat16: "commpress::BFloat16",
-    torch.float64: "double",
-}
-_BOOLS = ("false", "true")
-_NS = "commpress::cuda::"
-# struct Layout of block_sums.cuh, passed to kernels by value.
-_LAYOUT = np.dtype([("n", "<i8"), ("block", "<i8"), ("nblocks", "<i8"), ("groups", "<i8")])
-
-
-# ----- csrc/cuda/launch_params.h -------------------------------------------------------------------
-_CONSTEXPR = re.compile(r"constexpr\s+[\w:]+\s+(k\w+)\s*=\s*([^;{]+);")
-_INT_LIST = re.compile(r"constexpr\s+int\s+(k\w+)\[\]\s*=\s*\{([^}]*)\};")
-_FUNCTION = re.compile(
-    r"COMMPRESS_LAUNCH_FN\s+constexpr\s+int64_t\s+(\w+)\(([^)]*)\)\s*\{\s*return\s+([^;]+);\s*\}", re.S
-)
-_TYPE_LIST = re.compile(r"#define\s+(COMMPRESS_\w+)\(X\)\s*((?:\\\n|[^\n])*)")
-_ENUM = re.compile(r"enum\s+\w+\s*:\s*int\s*\{([^}]*)\}")
-_TABLE = re.compile(r"constexpr\s+const\s+char\s*\*\s*(k\w+)\[\]\s*=\s*\{(.*?)\};", re.S)
-_ARITH = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Constant, ast.Name, ast.Load, ast.Add,
-          ast.Sub, ast.Mult, ast.FloorDiv, ast.LShift, ast.USub)
-# in a function body besides: calls of earlier functions and one `cond ? a : b`
-_BODY = (*_ARITH, ast.Call, ast.IfExp, ast.Compare, ast.Lt, ast.Gt, ast.LtE, ast.GtE, ast.Eq,
-         ast.NotEq)
-
-
-def _eval_int(expr: str, known: dict[str, int]) -> int:
-    """An integer constant expression of the header (literals, earlier constants, + - * / <<)."""
-    tree = ast.parse(expr.replace("/", "//"), mode="eval")
-    for node in ast.walk(tree):
-        if not isinstance(node, _ARITH) or (isinstance(node, ast.Constant) and type(node.value) is not int):
-            raise ValueError(f"launch_params.h: unsupported constant expression {expr!r}")
-        if isinstance(node, ast.Name) and node.id not in known:
-            raise ValueError(f"launch_params.h: {node.id} used before it is defined in {expr!r}")
-    return int(eval(compile(tree, "launch_params.h", "eval"), {"__builtins__": {}}, dict(known)))
-
-
-def _function(name: str, params: str, body: str, scope: dict[str, Any]) -> Any:
-    """A ``constexpr int64_t name(int64_t a, ...) { return body; }`` of the header, in Python.
-
-    The body is C integer arithmetic on non-negative values (``/`` truncates: ``//`` here) with
-    at most one top-level ``cond ? a : b``; names are the parameters, earlier constants and
-    functions, and ``name`` itself (recursion).
-    """
-    args = [p.split()[-1] for p in params.split(",") if p.strip()]
-    if any(p.split()[0] != "int64_t" for p in params.split(",") if p.strip()):
-        raise ValueError(f"launch_params.h: {name} must take int64_t arguments only")
-    expr = " ".join(body.split()).replace("/", "//")
-    cond, q, rest = expr.partition("?")
-    if q:
-        then, colon, other = rest.partition(":")
-        if not colon or ":" in other or "?" in other:
-            raise ValueError(f"launch_params.h: {name}: one top-level `c ? a : b` at most")
-        expr = f"({then}) if ({cond}) else ({other})"
-    tree = ast.parse(expr, mode="eval")
-    known = {*args, *scope, name}
-    for node in ast.walk(tree):
-        if not isinstance(node, _BODY) or (isinstance(node, ast.Constant) and type(node.value) is not int):
-            raise ValueError(f"launch_params.h: unsupported expression in {name}: {body!r}")
-        if isinstance(node, ast.Name) and node.id not in known:
-            raise ValueError(f"launch_params.h: {node.id} used before it is defined in {name}")
-    source = f"lambda {', '.join(args)}: {ast.unparse(tree)}"
-    env = {"__builtins__": {}, **scope}
-    fn = eval(compile(source, "launch_params.h", "eval"), env)
-    env[name] = fn  # recursion
-    return fn
-
-
-@lru_cache(maxsize=1)
-def launch_params() -> SimpleNamespace:
-    """The constants, functions, domains and kernel table of ``csrc/cuda/launch_params.h``.
-
-    Attributes: every ``constexpr`` integer, integer list and enumerator by its C++ name
-    (``kThreads``, ``kQsgdWidths``, ``kFlagNonFinite``, ...); every ``constexpr int64_t``
-    function by its name (``grid_items``, ``reduce_scratch``, ...) as a Python function of
-    ints, evaluating the very text the C launchers compile; and ``kernels``: unit -> NVRTC name
-    expressions, the table's ``{X}`` placeholders expanded over ``kNameDomains``. Read once,
-    on first use; needs no GPU.
-    """
-    raw = (CSRC / "cuda" / "launch_params.h").read_text(encoding="utf-8")
-    text = re.sub(r"//[^\n]*", "", raw)
-    # declarations in source order: a function may use any constant or function above it
-    decls = sorted(
-        [(m.start(), "const", m) for m in _CONSTEXPR.finditer(text)]
-        + [(m.start(), "list", m) for m in _INT_LIST.finditer(text)]
-        + [(m.start(), "fn", m) for m in _FUNCTION.finditer(text)]
-        + [(m.start(), "enum", m) for m in _ENUM.finditer(text)],
-        key=lambda d: d[0],
-    )
-    values: dict[str, Any] = {}
-    for _, kind, m in decls:
-        if kind == "const":
-            values[m.group(1)] = _eval_int(m.group(2).strip(), values)
-        elif kind == "list":
-            values[m.group(1)] = tuple(_eval_int(v.strip(), values) for v in m.group(2).split(","))
-        elif kind == "fn":
-            values[m.group(1)] = _function(m.group(1), m.group(2), m.group(3), values)
-        else:
-            for item in m.group(1).split(","):
-                if item.strip():
-                    name, expr = (part.strip() for part in item.split("="))
-                    values[name] = _eval_int(expr, values)
-    type_lists = {
-        name: [args.split(",")[-1].strip() for args in re.findall(r"X\(([^)]*)\)", body)]
-        for name, body in _TYPE_LIST.findall(raw)
-    }
-    tables = {name: re.findall(r'"([^"]*)"', body) for name, body in _TABLE.findall(text)}
-    domains: dict[str, list[str]] = {}
-    for entry in tables["kNameDomains"]:
-        key, _, spec = (part.strip() for part in entry.partition("="))
-        if spec in type_lists:
-            domains[key] = type_lists[spec]
-        elif isinstance(values.get(spec), tuple):
-            domains[key] = [str(v) for v in values[spec]]
-        else:
-            domains[key] = [v.strip() for v in spec.split(",")]
-    kernels: dict[str, list[str]] = {}
-    for entry in tables["kKernelNames"]:
-        unit, _, expr = (part.strip() for part in entry.partition(":"))
-        keys = [k for k in domains if "{" + k + "}" in expr]
-        for combo in itertools.product(*(domains[k] for k in keys)):
-            name = expr
-            for key, value in zip(keys, combo):
-                name = name.replace("{" + key + "}", value)
-            kernels.setdefault(unit, []).append(name)
-    return SimpleNamespace(**values, domains=domains, kernels=kernels)
-
-
-def _kernel_names(unit: str) -> list[str]:
-    """Every kernel instantiation the launches of ``unit`` use (NVRTC name expressions)."""
-    names = launch_params().kernels.get(unit)
-    if not names:
-        raise ValueError(f"unknown CUDA source unit {unit!r}; expected one of {', '.join(UNITS)}")
-    return names
-
-
-def module_source(unit: str) -> tuple[str, tuple[str, ...], list[str]]:
-    """``(code, options, name_expressions)`` of ``csrc/cuda/<unit>.cu`` for NVRTC.
-
-    ``code`` is the file as nvcc compiles it. Needs no GPU (tests compile it on any machine).
-    """
-    names = _kernel_names(unit)
-    code = (CSRC / "cuda" / f"{unit}.cu").read_text(encoding="utf-8")
-    options = (
-        "-std=c++17",
-        f"-I{CSRC / 'include'}",
-        f"-I{CSRC / 'cuda'}",
-        f"-I{CSRC / 'cuda' / 'nvrtc'}",
-        # nvcc's defaults, so results match the nvcc build bit for bit
-        "-ftz=false",
-        "-prec-div=true",
-        "-prec-sqrt=true",
-        "-fmad=true",
-    )
-    return code, options, names
-
-
-def compile_unit(unit: str, arch: str) -> tuple[bytes, dict[str, str]]:
-    """Compile ``unit`` with NVRTC for ``arch`` (``sm_90``: cubin; ``compute_90``: PTX).
-
-    Returns the image and the lowered (mangled) name of every name expression. Needs CuPy's
-    NVRTC binding but no GPU. Raises RuntimeError with NVRTC's log when compilation fails.
-    """
-    from cupy.cuda import nvrtc
-
-    code, options, names = module_source(unit)
-    prog = nvrtc.createProgram(code, f"{unit}.cu", [], [])
-    try:
-        for name in names:
-            nvrtc.addNameExpression(prog, name)
-        try:
-            nvrtc.compileProgram(prog, [*options, f"-arch={arch}"])
-        except nvrtc.NVRTCError as exc:
-            log = nvrtc.getProgramLog(prog)
-            raise RuntimeError(f"NVRTC failed to compile csrc/cuda/{unit}.cu:\n{log}") from exc
-        image = nvrtc.getCUBIN(prog) if arch.startswith("sm_") else nvrtc.getPTX(prog)
-        lowered = {name: nvrtc.getLoweredName(prog, name) for name in names}
-    finally:
-        nvrtc.destroyProgram(prog)
-    if isinstance(image, str):
-        image = image.encode()
-    return bytes(image), lowered
-
-
-@lru_cache(maxsize=1)
-def unavailable() -> str | None:
-    """None when CuPy, NVRTC, a CUDA device and the kernel sources are all there, else why not.
-
-    Called only on first use (never at ``import commpress``); it asks torch and CuPy for a
-    device, which loads the CUDA driver.
-    """
-    missing = [u for u in UNITS if not (CSRC / "cuda" / f"{u}.cu").is_file()]
-    if missing:
-        return (
-            f"CUDA kernel sources not found under {CSRC / 'cuda'} (an installed copy without csrc/)"
-        )
-    try:
-        import cupy
-        from cupy.cuda import nvrtc
-    except ImportError as exc:
-        return f"cupy not importable: {exc}"
-    try:
-        nvrtc.getVersion()
-    except Exception as exc:  # noqa: BLE001 - a missing libnvrtc raises various errors
-        return f"NVRTC not loadable: {exc}"
-    if not torch.cuda.is_available():
-        return "no CUDA device (torch.cuda.is_available() is False)"
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            return "CuPy sees no CUDA device"
-    except Exception as exc:  # noqa: BLE001 - CuPy's runtime errors vary by version
-        return f"CuPy cannot use the CUDA device: {exc}"
-    return None
-
-
-# ----- loading and launching ----------------------------------------------------------------------
-_lock = threading.Lock()
-_images: tempfile.TemporaryDirectory[str] | None = None  # cubin files of this process
-
-
-def _arch_for(device: torch.device) -> str:
-    """``sm_XY`` when NVRTC can build a cubin for the device, else PTX for the newest it can."""
-    from cupy.cuda import nvrtc
-
-    major, minor = torch.cuda.get_device_capability(device)
-    cc = 10 * major + minor
-    supported = [int(a) for a in nvrtc.getSupportedArchs()]
-    if cc in supported:
-        return f"sm_{cc}"
-    older = [a for a in supported if a <= cc]
-    if not older:
-        raise RuntimeError(f"NVRTC {nvrtc.getVersion()} cannot compile for compute capability {cc}")
-    return f"compute_{max(older)}"  # the driver JITs the PTX for the newer GPU
-
-
-class _Unit:
-    """One compiled source unit on one device: kernels by name expression."""
-
-    def __init__(self, unit: str, device: torch.device) -> None:
-        import cupy
-
-        global _images
-        image, self.lowered = compile_unit(unit, _arch_for(device))
-        if _images is None:
-            _images = tempfile.TemporaryDirectory(prefix="commpress-cupy-")
-        path = os.path.join(_images.name, f"{unit}-{device.index}.bin")
-        with open(path, "wb") as f:
-            f.write(image)
-        with cupy.cuda.Device(device.index):
-            self.module = cupy.RawModule(path=path)
-        self.kernels: dict[str, Any] = {}
-
-    def kernel(self, name: str) -> Any:
-        fn = self.kernels.get(name)
-        if fn is None:
-            fn = self.kernels[name] = self.module.get_function(self.lowered[name])
-        return fn
-
-
-_units: dict[tuple[str, int], _Unit] = {}
-
-
-def _unit(unit: str, device: torch.device) -> _Unit:
-    key = (unit, device.index if device.index is not None else torch.cuda.current_device())
-    with _lock:
-        if key not in _units:
-            _units[key] = _Unit(unit, torch.device("cuda", key[1]))
-        return _units[key]
-
-
-class _Launcher:
-    """Launches one unit's kernels on ``device`` and torch's current stream there."""
-
-    def __init__(self, unit: str, device: torch.device) -> None:
-        import cupy
-
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        self.device = torch.device("cuda", index)
-        self.unit = _unit(unit, self.device)
-        self._cupy = cupy
-        self._stream = cupy.cuda.ExternalStream(
-            torch.cuda.current_stream(self.device).cuda_stream, index
-        )
-
-    def __call__(self, name: str, grid: int, block: int, *args: Any) -> None:
-        with self._cupy.cuda.Device(self.device.index), self._stream:
-            self.unit.kernel(name)((grid,), (block,), args)
-
-
-def _per_item(launch: _Launcher, name: str, count: int, *args: Any) -> None:
-    """Launch ``name`` with a thread per item: ``grid(grid_items(count)), kThreads`` in C."""
-    launch(name, _p().grid_items(count), _p().kThreads, *args)
-
-
-def _per_word(launch: _Launcher, name: str, count: int, *args: Any) -> None:
-    """Launch ``name`` with a warp per 32 items: ``grid(grid_words(count)), kThreads`` in C."""
-    launch(name, _p().grid_words(count), _p().kThreads, *args)
-
-
-def _ptr(t: torch.Tensor | None, byte_offset: int = 0) -> np.uint64:
-    # A kernel pointer argument: 8 bytes by value (null for an absent residual).
-    return np.uint64(0 if t is None else t.data_ptr() + byte_offset)
-
-
-def _p() -> SimpleNamespace:
-    return launch_params()
-
-
-def _layout(n: int, block: int) -> tuple[np.void, int, int]:
-    """(Layout struct, nblocks, groups_per_block) of block_sums.cuh make_layout."""
-    block = checks.effective_block(n, block)
-    nblocks = checks.n_blocks(n, block)
-    groups = _p().groups_per_block(block)
-    struct: np.void = np.array([(n, block, nblocks, groups)], dtype=_LAYOUT)[0]
-    return struct, nblocks, groups
-
-
-class _BlockEncode:
-    """One block codec's encode, launched as ``block_sums.cuh`` ``launch_block_encode`` does.
-
-    The sequence sign and QSGD share: the launcher's scratch (``commpress_reduce_scratch_cuda``)
-    and flag word, :meth:`reduce` (per-block sums into the scratch), :meth:`finalize` (one
-    thread per block writes its scale), :meth:`encode` (whole warps per 32 elements write the
-    packed output), then :meth:`raise_flags` reads the flag word like the binding does.
-    """
-
-    def __init__(self, unit: str, x: torch.Tensor, residual: torch.Tensor | None, block: int) -> None:
-        self.x, self.residual = x, residual
-        self.struct, self.nblocks, self.groups = _layout(x.numel(), block)
-        self.scratch = torch.empty(
-            _p().encode_scratch(self.nblocks, self.groups), dtype=torch.float64, device=x.device
-        )
-        self.flags = torch.zeros(1, dtype=torch.int32, device=x.device)
-        self.launch = _Launcher(unit, x.device)
-        self.t, self.has_e = _CTYPE[x.dtype], _BOOLS[residual is not None]
-
-    def reduce(self, kind: str, amax_off: int | None = None, base: int = 0) -> int:
-        """block_sums.cuh launch_block_reduce; returns the double offset of the per-block values."""
-        amax = self.scratch_ptr(amax_off) if amax_off is not None else np.uint64(0)
-        nblocks, launch = self.nblocks, self.launch
-        launch(
-            f"{_NS}group_sums_kernel<{_NS}{kind}, {self.t}, {self.has_e}>",
-            _p().grid_warps(nblocks * self.groups),
-            _p().kThreads,
-            _ptr(self.x),
-            _ptr(self.residual),
-            amax,
-            self.struct,
-            self.scratch_ptr(base),
-            _ptr(self.flags),
-        )
-        level = _BOOLS[kind == "kMaxAbs"]
-        src, per = base, self.groups
-        while per > 1:
-            per_out = _p().ceil_div(per, _p().kWarp)
-            dst = src + nblocks * per
-            launch(
-                f"{_NS}tree_level_kernel<{level}>",
-                _p().grid_warps(nblocks * per_out),
-                _p().kThreads,
-                self.scratch_ptr(src),
-                np.int64(per),
-                np.int64(nblocks),
-                np.int64(per_out),
-                self.scratch_ptr(dst),
-            )
-            src, per = dst, per_out
-        return src
-
-    def scratch_ptr(self, offset: int) -> np.uint64:
-        """Pointer to the double at ``offset`` of the scratch."""
-        return _ptr(self.scratch, 8 * offset)
-
-    def finalize(self, kernel: str, *args: Any) -> None:
-        """Launch ``kernel`` (in ``commpress::cuda``) over the blocks, one thread per block."""
-        _per_item(self.launch, _NS + kernel, self.nblocks, *args)
-
-    def encode(self, kernel: str, *args: Any) -> None:
-        """Launch ``kernel`` (in ``commpress::cuda``) over the elements, one warp per 32."""
-        _per_word(self.launch, _NS + kernel, self.x.numel(), *args)
-
-    def raise_flags(self, op: str, scale: str, ct: torch.dtype) -> int:
-        """Read the flag word; NaN/Inf and an overflowing ``scale`` raise. Returns the flags."""
-        f = _read_flags(self.flags)
-        if f & _p().kFlagNonFinite:
-            raise checks.non_finite(op, self.residual is not None)
-        if f & _p().kFlagOverflow:
-            raise checks.overflow(op, scale, ct)
-        return f
+__all__ = [  # the ops (schema.OP_NAMES), then entry points of the rooms below, imported from here
+    "pack_bits", "unpack_bits", "sign_encode", "sign_decode", "qsgd_encode", "qsgd_decode",
+    "topk_select", "sparse_scatter_add", "randomk_gather", "randomk_scatter_add",
+    "CSRC", "OPS", "UNITS", "compile_unit", "launch_params", "module_source", "unavailable",
+]  # fmt: skip
 
 
 def _block_decode(
@@ -476,25 +78,8 @@ def _block_decode(
     n = out.numel()
     if n == 0:
         return
-    struct, _, _ = _layout(n, block)
-    _per_word(_Launcher(unit, out.device), _NS + kernel, n, *before, struct, *after, _ptr(out))
-
-
-def _read_flags(flags: torch.Tensor) -> int:
-    return int(flags.item())  # synchronises the stream, like the binding's read_flags
-
-
-def _check_finite(launch: _Launcher, x: torch.Tensor, flags: torch.Tensor) -> None:
-    """Launch ``check_finite_kernel``: sets kFlagNonFinite when ``x`` holds NaN/Inf."""
-    n = x.numel()
-    _per_item(
-        launch,
-        f"{_NS}check_finite_kernel<{_CTYPE[x.dtype]}>",
-        n,
-        _ptr(x),
-        np.int64(n),
-        _ptr(flags),
-    )
+    struct, _, _ = layout(n, block)
+    per_word(Launcher(unit, out.device), NS + kernel, n, *before, struct, *after, ptr(out))
 
 
 # ----- bit packing --------------------------------------------------------------------------------
@@ -508,15 +93,15 @@ def pack_bits(a: schema.PackBits) -> torch.Tensor:
         return packed
     first_bad = torch.full((1,), -1, dtype=torch.int64, device=fields.device)  # UINT64_MAX
     nbytes = packed.numel()
-    _per_item(
-        _Launcher("bitpack", fields.device),
+    per_item(
+        Launcher("bitpack", fields.device),
         f"commpress::pack_kernel<{bits}>",
         nbytes,
-        _ptr(fields),
+        ptr(fields),
         np.int64(n),
-        _ptr(packed),
+        ptr(packed),
         np.int64(nbytes),
-        _ptr(first_bad),
+        ptr(first_bad),
     )
     bad = int(first_bad.item())
     if bad >= 0:
@@ -529,13 +114,13 @@ def unpack_bits(a: schema.UnpackBits) -> torch.Tensor:
     """Unpack ``n`` fields of ``bits`` bits."""
     fields = torch.empty(a.n, dtype=torch.uint8, device=a.packed.device)
     if a.n:
-        _per_item(
-            _Launcher("bitpack", a.packed.device),
+        per_item(
+            Launcher("bitpack", a.packed.device),
             f"commpress::unpack_kernel<{a.bits}>",
             a.n,
-            _ptr(a.packed),
+            ptr(a.packed),
             np.int64(a.n),
-            _ptr(fields),
+            ptr(fields),
         )
     return fields
 
@@ -548,23 +133,23 @@ def sign_encode(a: schema.SignEncode) -> tuple[torch.Tensor, torch.Tensor]:
     scales, bits = checks.sign_outputs(a.x, block)
     if a.x.numel() == 0:
         return scales, bits
-    enc = _BlockEncode("sign", a.x, a.residual, block)
+    enc = BlockEncode(Launcher("sign", a.x.device), a.x, a.residual, block)
     sums = enc.reduce("kSumAbs")
     enc.finalize(
         f"sign_finalize_kernel<{enc.t}>",
         enc.scratch_ptr(sums),
         enc.struct,
-        _ptr(scales),
-        _ptr(enc.flags),
+        ptr(scales),
+        ptr(enc.flags),
     )
     enc.encode(
         f"sign_encode_kernel<{enc.t}, {enc.has_e}>",
-        _ptr(a.x),
-        _ptr(a.residual),
-        _ptr(scales),
+        ptr(a.x),
+        ptr(a.residual),
+        ptr(scales),
         enc.struct,
-        _ptr(bits),
-        _ptr(enc.flags),
+        ptr(bits),
+        ptr(enc.flags),
     )
     enc.raise_flags("sign_encode", "a block's mean magnitude", scales.dtype)
     return scales, bits
@@ -573,8 +158,8 @@ def sign_encode(a: schema.SignEncode) -> tuple[torch.Tensor, torch.Tensor]:
 @implements(schema.SignDecode)
 def sign_decode(a: schema.SignDecode) -> None:
     """``out (+)= +-scale`` per element."""
-    kernel = f"sign_decode_kernel<{_CTYPE[a.out.dtype]}, {_BOOLS[bool(a.accumulate)]}>"
-    _block_decode("sign", kernel, a.out, a.block_size, (_ptr(a.scales), _ptr(a.bits)))
+    kernel = f"sign_decode_kernel<{CTYPE[a.out.dtype]}, {BOOLS[bool(a.accumulate)]}>"
+    _block_decode("sign", kernel, a.out, a.block_size, (ptr(a.scales), ptr(a.bits)))
 
 
 # ----- qsgd ---------------------------------------------------------------------------------------
@@ -585,12 +170,13 @@ def qsgd_encode(a: schema.QsgdEncode) -> tuple[torch.Tensor, torch.Tensor]:
     norms, packed = checks.qsgd_outputs(x, a.bits, a.bucket_size)
     if x.numel() == 0:
         return norms, packed
-    enc = _BlockEncode("qsgd", x, a.residual, a.bucket_size)
+    enc = BlockEncode(Launcher("qsgd", x.device), x, a.residual, a.bucket_size)
     amax: int | None = None
     if x.dtype == torch.float64:
         # squares of float64 can overflow: divide by the bucket's max magnitude first
         amax = enc.reduce("kMaxAbs")
-        sums = enc.reduce("kSumScaledSquare", amax, _p().second_reduction(enc.nblocks, enc.groups))
+        second = launch_params().second_reduction(enc.nblocks, enc.groups)
+        sums = enc.reduce("kSumScaledSquare", amax, second)
     else:
         sums = enc.reduce("kSumSquare")
     limit = float(torch.finfo(x.dtype).max)
@@ -600,21 +186,21 @@ def qsgd_encode(a: schema.QsgdEncode) -> tuple[torch.Tensor, torch.Tensor]:
         enc.scratch_ptr(amax) if amax is not None else np.uint64(0),
         enc.struct,
         np.float64(limit),
-        _ptr(norms),
-        _ptr(enc.flags),
+        ptr(norms),
+        ptr(enc.flags),
     )
     enc.encode(
         f"qsgd_encode_kernel<{enc.t}, {enc.has_e}, {a.bits}>",
-        _ptr(x),
-        _ptr(a.residual),
-        _ptr(norms),
+        ptr(x),
+        ptr(a.residual),
+        ptr(norms),
         enc.struct,
         np.int32(a.levels),
         checks.rng_key(a.seed, rng.STREAM_QSGD),
-        _ptr(packed),
-        _ptr(enc.flags),
+        ptr(packed),
+        ptr(enc.flags),
     )
-    if enc.raise_flags("qsgd_encode", "a bucket norm", norms.dtype) & _p().kFlagTooBig:
+    if enc.raise_flags("qsgd_encode", "a bucket norm", norms.dtype) & launch_params().kFlagTooBig:
         raise checks.norm_above_range("qsgd_encode", norms, limit, x.dtype)
     return norms, packed
 
@@ -622,8 +208,8 @@ def qsgd_encode(a: schema.QsgdEncode) -> tuple[torch.Tensor, torch.Tensor]:
 @implements(schema.QsgdDecode)
 def qsgd_decode(a: schema.QsgdDecode) -> None:
     """``out (+)= norm * ((field - s) / s)`` per element."""
-    kernel = f"qsgd_decode_kernel<{_CTYPE[a.out.dtype]}, {a.bits}, {_BOOLS[bool(a.accumulate)]}>"
-    before, after = (_ptr(a.norms), _ptr(a.packed)), (np.int32(a.levels),)
+    kernel = f"qsgd_decode_kernel<{CTYPE[a.out.dtype]}, {a.bits}, {BOOLS[bool(a.accumulate)]}>"
+    before, after = (ptr(a.norms), ptr(a.packed)), (np.int32(a.levels),)
     _block_decode("qsgd", kernel, a.out, a.bucket_size, before, after)
 
 
@@ -638,12 +224,12 @@ def topk_select(a: schema.TopkSelect) -> tuple[torch.Tensor, torch.Tensor]:
     values = torch.empty(k, dtype=x.dtype, device=x.device)
     if n == 0:
         return indices, values
-    t = _CTYPE[x.dtype]
+    t = CTYPE[x.dtype]
     flags = torch.zeros(1, dtype=torch.int32, device=x.device)
-    launch = _Launcher("topk", x.device)
-    ns, lp = _NS, _p()
+    launch = Launcher("topk", x.device)
+    ns, lp = NS, launch_params()
     if k == 0:  # nothing to select, but x must still be finite
-        _check_finite(launch, x, flags)
+        launch_check_finite(launch, x, flags)
     else:
         # scratch (launch_params.h): SelectState, hist[kBins], counts, off_gt, off_eq
         scratch = torch.zeros(lp.kTopkScratchWords, dtype=torch.int64, device=x.device)
@@ -656,64 +242,64 @@ def topk_select(a: schema.TopkSelect) -> tuple[torch.Tensor, torch.Tensor]:
         shift = (64 if x.dtype == torch.float64 else 32) - 1
         first = True
         while shift > 0:
-            width = min(shift, _p().kDigitBits)
+            width = min(shift, lp.kDigitBits)
             shift -= width
             hist.zero_()
             launch(
                 f"{ns}histogram_kernel<{t}>",
                 lp.grid_histogram(n),
-                _p().kThreads,
-                _ptr(x),
+                lp.kThreads,
+                ptr(x),
                 np.int64(n),
-                _ptr(state),
+                ptr(state),
                 np.int32(shift),
                 np.int32(width),
-                _ptr(hist),
-                _ptr(flags),
+                ptr(hist),
+                ptr(flags),
                 np.bool_(first),
             )
             launch(
                 f"{ns}select_digit_kernel",
                 1,
-                _p().kThreads,
-                _ptr(hist),
+                lp.kThreads,
+                ptr(hist),
                 np.int32(shift),
                 np.int32(width),
-                _ptr(state),
+                ptr(state),
             )
             first = False
         cblocks = lp.grid_count(n)
         launch(
             f"{ns}count_kernel<{t}>",
             cblocks,
-            _p().kThreads,
-            _ptr(x),
+            lp.kThreads,
+            ptr(x),
             np.int64(n),
-            _ptr(state),
-            _ptr(scratch, counts_off),
+            ptr(state),
+            ptr(scratch, counts_off),
         )
         launch(
             f"{ns}scan_counts_kernel",
             1,
-            _p().kCountBlocks,
-            _ptr(scratch, counts_off),
+            lp.kCountBlocks,
+            ptr(scratch, counts_off),
             np.int32(cblocks),
-            _ptr(scratch, gt_off),
-            _ptr(scratch, eq_off),
+            ptr(scratch, gt_off),
+            ptr(scratch, eq_off),
         )
         launch(
             f"{ns}write_kernel<{t}, {'int64_t' if index64 else 'int32_t'}>",
             cblocks,
-            _p().kThreads,
-            _ptr(x),
+            lp.kThreads,
+            ptr(x),
             np.int64(n),
-            _ptr(state),
-            _ptr(scratch, gt_off),
-            _ptr(scratch, eq_off),
-            _ptr(indices),
-            _ptr(values),
+            ptr(state),
+            ptr(scratch, gt_off),
+            ptr(scratch, eq_off),
+            ptr(indices),
+            ptr(values),
         )
-    if _read_flags(flags) & lp.kFlagNonFinite:
+    if read_flags(flags) & lp.kFlagNonFinite:
         raise checks.non_finite(op, False)
     return indices, values
 
@@ -725,34 +311,34 @@ def sparse_scatter_add(a: schema.SparseScatterAdd) -> None:
     if not indices:
         return
     n = out.numel()
-    ns = _NS
-    launch = _Launcher("topk", out.device)
+    ns = NS
+    launch = Launcher("topk", out.device)
     # All payloads are validated before any is added: the add kernels skip once first_bad is set.
     first_bad = torch.full((1,), -1, dtype=torch.int64, device=out.device)  # UINT64_MAX
     for p, idx in enumerate(indices):
         if idx.numel():
-            _per_item(
+            per_item(
                 launch,
                 f"{ns}scatter_validate_kernel<{'int64_t' if idx.dtype == torch.int64 else 'int32_t'}>",
                 idx.numel(),
-                _ptr(idx),
+                ptr(idx),
                 np.int64(idx.numel()),
                 np.int64(n),
                 np.int64(p),
-                _ptr(first_bad),
+                ptr(first_bad),
             )
-    t = _CTYPE[out.dtype]
+    t = CTYPE[out.dtype]
     for idx, val in zip(indices, values):
         if idx.numel():
-            _per_item(
+            per_item(
                 launch,
                 f"{ns}scatter_add_kernel<{'int64_t' if idx.dtype == torch.int64 else 'int32_t'}, {t}>",
                 idx.numel(),
-                _ptr(idx),
-                _ptr(val),
+                ptr(idx),
+                ptr(val),
                 np.int64(idx.numel()),
-                _ptr(out),
-                _ptr(first_bad),
+                ptr(out),
+                ptr(first_bad),
             )
     code = int(first_bad.item()) & rng.SEED_MASK
     if code != rng.SEED_MASK:
@@ -772,26 +358,26 @@ def randomk_gather(a: schema.RandomkGather) -> torch.Tensor:
     values = torch.empty(k, dtype=x.dtype, device=x.device)
     if n == 0:
         return values
-    t = _CTYPE[x.dtype]
+    t = CTYPE[x.dtype]
     flags = torch.zeros(1, dtype=torch.int32, device=x.device)
-    launch = _Launcher("randomk", x.device)
-    _check_finite(launch, x, flags)
-    _per_item(
+    launch = Launcher("randomk", x.device)
+    launch_check_finite(launch, x, flags)
+    per_item(
         launch,
         f"commpress::cuda::gather_kernel<{t}>",
         k,
-        _ptr(x),
+        ptr(x),
         np.int64(n),
         np.int64(k),
         checks.rng_key(a.seed, rng.STREAM_RANDOMK),
         np.bool_(a.scaled),
-        _ptr(values),
-        _ptr(flags),
+        ptr(values),
+        ptr(flags),
     )
-    f = _read_flags(flags)
-    if f & _p().kFlagNonFinite:
+    f = read_flags(flags)
+    if f & launch_params().kFlagNonFinite:
         raise checks.non_finite(op, False)
-    if f & _p().kFlagOverflow:
+    if f & launch_params().kFlagOverflow:
         raise checks.scaled_overflow(op, x.dtype)
     return values
 
@@ -803,13 +389,13 @@ def randomk_scatter_add(a: schema.RandomkScatterAdd) -> None:
     k = values.numel()
     if k == 0:
         return
-    _per_item(
-        _Launcher("randomk", out.device),
-        f"commpress::cuda::scatter_kernel<{_CTYPE[out.dtype]}>",
+    per_item(
+        Launcher("randomk", out.device),
+        f"commpress::cuda::scatter_kernel<{CTYPE[out.dtype]}>",
         k,
-        _ptr(values),
+        ptr(values),
         np.int64(k),
         np.int64(out.numel()),
         checks.rng_key(seed, rng.STREAM_RANDOMK),
-        _ptr(out),
+        ptr(out),
     )
