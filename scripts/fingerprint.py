@@ -86,6 +86,8 @@ def _opt(kind: str, params: Any) -> torch.optim.Optimizer:
 CONFIGS: dict[str, tuple[str, str, dict[str, Any], str, bool]] = {
     "ddp-dense-sgd": ("ddp", "none", {}, "sgd", True),
     "ddp-fp16-sgd": ("ddp", "fp16", {}, "sgd", True),
+    "ddp-topk-defaults": ("ddp", "topk", {"ratio": 0.01}, "sgd", True),
+    "ddp-sign-defaults": ("ddp", "sign", {}, "sgd", True),
     "ddp-topk-sgd": ("ddp", "topk", {"ratio": 0.05, "min_numel": 256}, "sgd", True),
     "ddp-topk-sgd-masking": ("ddp", "topk", {"ratio": 0.05, "min_numel": 256, "momentum_masking": True}, "sgd", True),
     "ddp-sign-sgd": ("ddp", "sign", {"min_numel": 256}, "sgd", True),

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .. import checkpoint, comm
+from .. import comm
 from .. import options as opts
 from ..codecs import Bf16Codec, Codec, Fp16Codec, NoneCodec
 from ..comm import CommStats, check_algorithm
@@ -32,23 +31,23 @@ from ..optim import (
     is_sgd_like,
 )
 from ..rng import derive_seed
-from . import checkpointing, residuals
 from .auto import AutoInputs, AutoPolicy
+from .checkpointing import DDPCheckpoint
 from .planning import (
     BucketPlan,
     CompressFilter,
     ParamPlan,
-    feedback_shapes,
     plan_bucket,
     plan_parameters,
 )
+from .residuals import ParamResiduals
 
 #: How long registration waits for every rank to register too (gloo), before failing.
 VERIFY_TIMEOUT_S = 60
 logger = logging.getLogger("commpress")
 
 
-class CompressionState(checkpoint.StateFile):
+class CompressionState(DDPCheckpoint):
     """State of the commpress DDP communication hook (one per DDP model and rank).
 
     Args:
@@ -116,10 +115,8 @@ class CompressionState(checkpoint.StateFile):
     """
 
     file_what = "commpress DDP state"
-    __slots__ = (
-        "process_group", "world_size", "rank", "codec", "algorithm", "error_feedback", "warmup", "seed", "step",
-        "plans", "plans_by_id", "feedback", "server_feedback", "momentum", "correction", "handover", "adam",
-        "guard", "auto", "faults", "_bucket_plans", "_stats", "_stats_from_step", "_verify_pending", "optimizer",
+    __slots__ = (  # with DDPCheckpoint's
+        "process_group", "plans_by_id", "warmup", "adam", "auto", "faults", "_bucket_plans", "_verify_pending",
     )
 
     def __init__(
@@ -187,7 +184,7 @@ class CompressionState(checkpoint.StateFile):
             module.named_parameters(), self.codec,
             min_numel=min_numel, dense_1d=dense_1d, compress_filter=compress_filter,
         )
-        self.feedback, self.server_feedback = self._new_feedback()
+        self.residuals = self._new_residuals()
         if isinstance(divergence_guard, bool):
             divergence_guard = DivergenceGuard() if divergence_guard else DivergenceGuard(threshold=0.0)
         if not isinstance(divergence_guard, DivergenceGuard):
@@ -245,18 +242,19 @@ class CompressionState(checkpoint.StateFile):
         """DGC's momentum factor masking is on."""
         return self.correction.masking
 
-    def _new_feedback(self) -> tuple[ErrorFeedback | None, ErrorFeedback | None]:
-        if not self.uses_feedback:
-            return None, None
-        plans = list(self.plans.values())
-        algorithm = comm.get(self.algorithm)
-        worker = ErrorFeedback(self.codec, feedback_shapes(plans, algorithm, self.codec, self.world_size))
-        server = None
-        if algorithm.server_feedback:
-            server = ErrorFeedback(
-                self.codec, feedback_shapes(plans, algorithm, self.codec, self.world_size, self.rank)
-            )
-        return worker, server
+    @property
+    def feedback(self) -> ErrorFeedback | None:
+        """The worker residuals of this rank (None without error feedback)."""
+        return self.residuals.worker
+
+    @property
+    def server_feedback(self) -> ErrorFeedback | None:
+        """The two-phase algorithm's server-side residuals of this rank's pieces (None otherwise)."""
+        return self.residuals.server
+
+    def _new_residuals(self) -> ParamResiduals:
+        plans = list(self.plans.values()) if self.uses_feedback else None
+        return ParamResiduals(self.codec, self.algorithm, self.world_size, self.rank, plans)
 
     def _auto_inputs(self) -> AutoInputs:
         """What ``codec="auto"`` reads of this state (a record, not the state)."""
@@ -364,12 +362,12 @@ class CompressionState(checkpoint.StateFile):
         return self.warmup.codec_now(self.step)
 
     def flush_residuals(self, plan: BucketPlan, buffer: torch.Tensor) -> None:
-        """Add this rank's residuals into a dense step's gradients and zero them (:func:`.residuals.flush`)."""
-        residuals.flush(self, plan, buffer)
+        """Add this rank's residuals into a dense step's gradients and zero them (:meth:`ParamResiduals.flush`)."""
+        self.residuals.flush(plan, buffer)
 
     def norms_sq(self, plan: BucketPlan, buffer: torch.Tensor | None) -> float:
         """Squared norm of the compressed parameters' input in ``buffer``, or of their residuals."""
-        return residuals.norms_sq(self, plan, buffer)
+        return self.residuals.norms_sq(plan, buffer)
 
     def bucket_plan(self, params: list[torch.Tensor], buffer_numel: int) -> BucketPlan:
         """The (cached) plan of a bucket holding ``params``; buckets change after step 1."""
@@ -458,28 +456,8 @@ class CompressionState(checkpoint.StateFile):
 
     def residual(self, name: str) -> torch.Tensor | None:
         """The worker-side residual of parameter ``name`` (None before its first step)."""
-        return residuals.residual(self, name)
-
-    # ----- checkpointing (the form and its validation: :mod:`.checkpointing`) ----------------
-    def state_dict(self) -> dict[str, Any]:
-        """Residuals (keyed by parameter name), codec config, step and seed; this rank's only.
-
-        Error-feedback residuals differ per rank: save one file per rank. Only tensors and
-        plain types, so ``torch.load(..., weights_only=True)`` reads it back.
-        """
-        return checkpointing.state_dict(self)
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` output after validating all of it (all or nothing).
-
-        Raises ValueError (:class:`CodecError` for a codec mismatch) when the checkpoint was
-        written with another codec, algorithm, world size or rank, or for other shapes, and for
-        entries of the wrong type (a malformed or hostile checkpoint).
-        """
-        try:
-            checkpointing.load_state_dict(self, state)
-        except (TypeError, OverflowError, KeyError, IndexError, AttributeError) as exc:
-            raise ValueError(f"commpress DDP state: malformed entry ({type(exc).__name__}: {str(exc)[:200]})") from None
+        plan = self.plans.get(name)
+        return None if plan is None or not plan.compressed else self.residuals.residual(plan)
 
     def __repr__(self) -> str:
         dense = sum(1 for p in self.plans.values() if not p.compressed)
