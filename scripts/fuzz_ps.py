@@ -1,10 +1,10 @@
 """Coverage-guided fuzzing of what the parameter server runs on received bytes (#12).
 
-The target runs the receive path of :func:`commpress.ps.server.serve` without MPI: the
+The target runs the receive path of :func:`commpress.ps.mpi_loop.serve` without MPI: the
 transport's size limit (:meth:`ShardServer.max_message`, enforced by ``Inbox.receive``), then
 :meth:`ShardServer.handle` (``parse_header``, the state checks, ``parse_segments`` of the
 push's ``FrameLayout`` payload, ``decode_segments``, the optimizer step and the reply), and
-the worker's side of it, :meth:`WorkerNode.apply` on a server's reply. Each input builds a
+the worker's side of it, :meth:`WorkerNode.apply` (its :class:`ShardChannel`) on a reply. Each input builds a
 fresh server of one of several setups (codec x mode x dtype x worker count x CRC policy), lets
 some workers join with valid PULLs, then delivers:
 

@@ -16,9 +16,10 @@ from commpress.ps import checkpoint as ckpt
 from commpress.ps.demos import digits_task
 from commpress.ps.faults import before_push
 from commpress.ps.protocol import BROADCAST, MsgType, build
-from commpress.ps.server import ShardServer, gather_stats
+from commpress.ps.server import ShardServer
 from commpress.ps.sharding import Layout, fingerprint
-from commpress.ps.worker import WorkerNode
+from commpress.ps.stats import gather_stats
+from commpress.ps.worker import WorkerNode, WorkerRun
 
 torch.set_num_threads(1)
 
@@ -487,3 +488,77 @@ def test_max_push_norm_is_checked_and_reaches_the_cli():
             _cfg(max_push_norm=bad)
     assert config_from(parser().parse_args(["--max-push-norm", "50"])).max_push_norm == 50
     assert config_from(parser().parse_args([])).max_push_norm == 1e3
+
+
+# ----- workers and servers together: the worker's state machine over its channels ----------------
+def _drive(c, runs):
+    """Deliver every message in send order between ``c.servers`` and ``runs``; what mpi_loop does, serially."""
+    from collections import deque
+
+    queue = deque((dest, c.S + w, msg) for w, run in enumerate(runs) for dest, msg in run.begin())
+    rejected = 0
+    while queue:
+        dest, src, msg = queue.popleft()
+        buf = msg.numpy() if isinstance(msg, torch.Tensor) else msg
+        if dest < c.S:
+            try:
+                out = c.servers[dest].handle(src, buf)
+            except ProtocolError:
+                rejected += 1
+                continue
+            queue.extend((d, dest, m) for d, m in out)
+            continue
+        run = runs[dest - c.S]
+        run.receive(src, buf)
+        if not run.waiting and not run.finished:
+            queue.extend((d, dest, m) for d, m in run.advance())
+    return rejected
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "ssp"])
+def test_worker_runs_and_servers_train_together_without_mpi(mode):
+    cfg = _cfg(codec="topk:ratio=0.1", mode=mode, steps=6, staleness=1, checkpoint_every=4)
+    by_hand = Cluster(cfg)  # the same run, messages passed by hand
+    by_hand.start()
+    for t in range(cfg.steps):
+        by_hand.sync_step(t)
+    c = Cluster(cfg)
+    saved = []
+    runs = [WorkerRun(node, loss=c.task.loss, batch=c.task.batch, workers=c.W,
+                      save=lambda step, state, w=w: saved.append((w, step)),
+                      faults=[Fault("corrupt", 1, step=2)] if w == 1 else ())
+            for w, node in enumerate(c.nodes)]
+    assert _drive(c, runs) == 1  # the corrupt copy; the honest push went through
+    assert all(run.finished and run.outcome.stopped is None and run.outcome.steps_done == cfg.steps for run in runs)
+    assert all(sv.finished() and sv.progress() == cfg.steps for sv in c.servers)
+    assert sorted(saved) == [(0, 4), (0, 6), (1, 4), (1, 6)]
+    for node in c.nodes:  # the final PULL: every worker holds the servers' parameters exactly
+        assert torch.equal(node.flat, c.params())
+    if mode == "sync":  # one order of arrival: bit-identical to the hand-driven run
+        assert torch.equal(c.params(), by_hand.params())
+
+
+def test_a_worker_run_leaves_on_stop_and_says_goodbye():
+    cfg = _cfg(codec="none", mode="async", servers=1, timeout=5.0)
+    c = Cluster(cfg)
+    runs = [WorkerRun(node, loss=c.task.loss, batch=c.task.batch, workers=c.W) for node in c.nodes]
+    for w, run in enumerate(runs):
+        c.send(w, run.begin())
+    for w, run in enumerate(runs):
+        for s, reply in c.queue[w]:
+            run.receive(s, reply.numpy())
+        c.queue[w].clear()
+    c.send(0, runs[0].advance())  # worker 0 pushes step 0; worker 1 stays silent
+    c.clock.t += 100.0
+    c.route(0, c.servers[0].check())  # worker 1 is dropped...
+    c.route(0, c.servers[0].check())
+    for w, run in enumerate(runs):
+        for s, reply in c.queue[w]:
+            run.receive(s, reply.numpy())
+        c.queue[w].clear()
+    assert c.servers[0].dropped.keys() == {0, 1}  # both silent for 100 s
+    bye = runs[1].advance()  # ...told to stop, it leaves with a goodbye
+    assert runs[1].finished and "dropped by server 0" in runs[1].outcome.stopped
+    assert [MsgType(int(m[5])) for _, m in bye] == [MsgType.BYE]
+    c.send(1, bye)
+    assert 1 in c.servers[0].done

@@ -19,7 +19,9 @@ From Python, on every rank::
 
 The first ``servers`` ranks hold shards of the flat parameter vector (balanced by bytes); the
 others are workers. Modules: :mod:`.protocol` (message header and validation),
-:mod:`.sharding`, :mod:`.server`, :mod:`.worker`, :mod:`.transport` (MPI buffers),
+:mod:`.sharding`; the MPI-free state machines :mod:`.server` (with :mod:`.replies`,
+:mod:`.plausibility`, :mod:`.stats`) and :mod:`.worker` over one :mod:`.channel` per shard;
+:mod:`.mpi_loop` (every MPI loop) over :mod:`.transport` (the MPI adapter: buffers, requests);
 :mod:`.checkpoint`, :mod:`.faults` (testing only), :mod:`.demos`, :mod:`.runner` (``run``).
 Importing this package does not start MPI.
 """

@@ -157,16 +157,15 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    from mpi4py import MPI
-
+    from . import mpi_loop
     from .runner import finish, run
 
-    comm = MPI.COMM_WORLD
+    comm = mpi_loop.world()
     try:
         task = DEMOS[args.demo](**kwargs)
     except (ConfigError, ImportError) as exc:
         print(f"[commpress.ps rank {comm.Get_rank()}] error: {exc}", file=sys.stderr, flush=True)
-        comm.Abort(2)
+        mpi_loop.abort(comm, 2)
         return 2
     result = run(task, cfg, comm)
     if result.rank == 0:

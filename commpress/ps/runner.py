@@ -2,7 +2,8 @@
 
 Every rank calls :func:`run` with the same task and config. Ranks ``0 .. S-1`` serve, the
 rest train; at the end the servers send their shards to rank 0, which evaluates the final
-model. :func:`reference_train` is the single-process run the sync mode must reproduce.
+model. :func:`reference_train` is the single-process run the sync mode must reproduce. The
+roles, checkpoints and results are here; every MPI loop is in :mod:`.mpi_loop`.
 """
 
 from __future__ import annotations
@@ -17,25 +18,16 @@ from typing import Any
 
 import torch
 
-from . import checkpoint
+from . import checkpoint, mpi_loop
 from .config import PSConfig, codec_spec
-from .errors import ConfigError, ProtocolError, PSError
+from .errors import ConfigError, PSError
 from .faults import Fault, parse_fault
-from .protocol import (
-    DENSE,
-    HEADER_NBYTES,
-    MAX_STATS_NBYTES,
-    TO_ROOT,
-    MsgType,
-    build,
-    parse_header,
-    parse_segments,
-    payload_nbytes,
-    segment_parts,
-)
-from .server import EventLog, ShardServer, gather_stats, serve
+from .protocol import DENSE, MsgType, build, segment_parts
+from .server import ShardServer
 from .sharding import Layout, fingerprint
-from .worker import WorkerNode, WorkerOutcome, work
+from .stats import EventLog, gather_stats
+from .transport import cuda_aware
+from .worker import WorkerNode, WorkerOutcome, WorkerRun
 
 EXIT_ABANDONED = 5  #: a dropped worker never exited, so rank 0 had to abort the job
 
@@ -113,25 +105,20 @@ def run(
     configuration) are printed naming the rank and, with ``abort_on_error``, end the whole
     job with ``comm.Abort(code)``: a rank that simply raised would leave the others waiting.
     """
-    from mpi4py import MPI
-
     cfg = config or PSConfig()
-    world = comm if comm is not None else MPI.COMM_WORLD
+    world = comm if comm is not None else mpi_loop.world()
     rank = world.Get_rank()
     try:
         cfg.validate()
-        comm_dup = world.Dup()
-        try:
+        with mpi_loop.private(world) as comm_dup:
             return _run(task, cfg, comm_dup)
-        finally:
-            comm_dup.Free()
     except Exception as exc:
         if not abort_on_error:
             raise
         code = exc.exit_code if isinstance(exc, PSError) else 1
         kind = "" if isinstance(exc, PSError) else f"{type(exc).__name__}: "
         _log(rank, f"error: {kind}{exc}")
-        world.Abort(code)
+        mpi_loop.abort(world, code)
         raise  # not reached: Abort ends the process
 
 
@@ -189,8 +176,6 @@ def _serve(task: Task, cfg: PSConfig, comm: Any, layout: Layout, model: torch.nn
     flat = layout.flatten(p for _, p in model.named_parameters() if p.requires_grad)
     shard = layout.shards[s]
     log = EventLog(cfg.log_dir, s)
-    from .transport import cuda_aware
-
     # workers that hand MPI device buffers cannot checksum them; every other push must carry a CRC
     device_buffers = torch.device(cfg.device).type == "cuda" and cuda_aware(cfg.cuda_aware)
     server = ShardServer(layout, s, cfg, W, flat[shard.start : shard.stop], task.optimizer,
@@ -204,7 +189,7 @@ def _serve(task: Task, cfg: PSConfig, comm: Any, layout: Layout, model: torch.nn
         bar = tqdm(total=cfg.steps, initial=server.progress(), desc=f"commpress.ps {cfg.mode}",
                    unit="step", file=sys.stderr, mininterval=0.25, dynamic_ncols=True)
     try:
-        abandoned = serve(comm, server, bar=bar, save=save)
+        abandoned = mpi_loop.serve(comm, server, bar=bar, save=save)
     finally:
         if bar is not None:
             bar.close()
@@ -217,38 +202,12 @@ def _serve(task: Task, cfg: PSConfig, comm: Any, layout: Layout, model: torch.nn
                       parts=segment_parts([DENSE.encode(server.x[shard.local(seg)]) for seg in shard.segments]))
     stats_msg = build(MsgType.STATS, shard=s, worker=0, step=server.progress(),
                       parts=[json.dumps(own).encode()])
-    from .transport import TAG_FINAL, Inbox, Outbox
-
     if s != 0:
-        out = Outbox(comm)
-        out.post(0, shard_msg, TAG_FINAL)
-        out.post(0, stats_msg, TAG_FINAL)
-        if not out.flush(time.monotonic() + 2 * cfg.timeout + 10):
-            raise PSError(f"server {s}: rank 0 did not take the final shard within {2 * cfg.timeout + 10:g} s")
+        mpi_loop.send_final(comm, s, [shard_msg, stats_msg], 2 * cfg.timeout + 10)
         return result
     full = torch.empty(layout.numel, dtype=layout.dtype)
     full[shard.start : shard.stop] = server.x
-    all_stats = [own]
-    limit = HEADER_NBYTES + max(MAX_STATS_NBYTES, *(payload_nbytes(sh, lambda seg: DENSE, layout.dtype) for sh in layout.shards))
-    inbox = Inbox(comm, limit, TAG_FINAL)
-    waiting = {(r, k) for r in range(1, layout.servers) for k in (MsgType.SHARD, MsgType.STATS)}
-    deadline = time.monotonic() + 2 * cfg.timeout + 10
-    while waiting:
-        got = inbox.wait(sorted({r for r, _ in waiting}), deadline)
-        if got is None:
-            raise PSError(f"rank 0: servers {sorted({r for r, _ in waiting})} did not send their final shards")
-        src, buf = got
-        head = parse_header(buf, src, TO_ROOT)
-        if head.shard != src:
-            raise ProtocolError(f"final {head.type.name} for shard {head.shard}", src)
-        if head.type == MsgType.SHARD:
-            other = layout.shards[src]
-            packets = parse_segments(buf[HEADER_NBYTES:], other, lambda seg: DENSE, layout.dtype, src)
-            for seg, p in zip(other.segments, packets):
-                DENSE.decode(p, full[seg.start : seg.stop])
-        else:
-            all_stats.append(json.loads(buf[HEADER_NBYTES:].tobytes().decode()))
-        waiting.discard((src, head.type))
+    all_stats = [own, *mpi_loop.gather_final(comm, layout, full, 2 * cfg.timeout + 10)]
     result.params = full
     result.stats = gather_stats(all_stats)
     result.stats["per_server"] = all_stats
@@ -264,8 +223,6 @@ def _serve(task: Task, cfg: PSConfig, comm: Any, layout: Layout, model: torch.nn
 def _work(task: Task, cfg: PSConfig, comm: Any, layout: Layout, model: torch.nn.Module, w: int, W: int,
           fp: int, resume_step: int | None, save: Callable[[int, dict[str, Any]], None] | None,
           t0: float) -> RunResult:
-    from .transport import cuda_aware
-
     try:
         device = torch.device(cfg.device)
     except RuntimeError as exc:
@@ -281,10 +238,8 @@ def _work(task: Task, cfg: PSConfig, comm: Any, layout: Layout, model: torch.nn.
     if resume_step is not None and cfg.checkpoint:
         node.load_state_dict(checkpoint.load(cfg.checkpoint, comm.Get_rank(), resume_step, like=node.state_dict()))
         start = resume_step
-    outcome: WorkerOutcome = work(
-        comm, node, loss=task.loss, batch=task.batch, workers=W, start=start,
-        device_buffers=device_buffers, faults=_faults(cfg), save=save,
-    )
+    run = WorkerRun(node, loss=task.loss, batch=task.batch, workers=W, start=start, faults=_faults(cfg), save=save)
+    outcome: WorkerOutcome = mpi_loop.work(comm, run, device_buffers=device_buffers)
     finished = outcome.stopped is None and not outcome.vanished
     return RunResult(
         "worker", comm.Get_rank(), w, layout,
@@ -302,11 +257,9 @@ def finish(result: RunResult, comm: Any = None) -> None:
     and aborts with :data:`EXIT_ABANDONED` (training itself completed).
     """
     if result.rank == 0 and result.abandoned:
-        from mpi4py import MPI
-
         _log(0, f"dropped worker rank(s) {result.abandoned} never exited; aborting the job to release them "
                 f"(training completed; exit code {EXIT_ABANDONED})")
-        (comm or MPI.COMM_WORLD).Abort(EXIT_ABANDONED)
+        mpi_loop.abort(comm or mpi_loop.world(), EXIT_ABANDONED)
 
 
 def reference_train(task: Task, workers: int, steps: int, seed: int = 0) -> torch.Tensor:

@@ -2,7 +2,9 @@
 
 :class:`ShardServer` is the whole server logic without MPI: feed it a received message with
 :meth:`ShardServer.handle` and the current time, and it returns the messages to send. The MPI
-loop :func:`serve` only moves bytes, so the logic is tested serially (``tests/test_ps_server.py``).
+loop (:func:`commpress.ps.mpi_loop.serve`) only moves bytes, so the logic is tested serially
+(``tests/test_ps_server.py``). Replies and the drift guard live in :mod:`.replies`, the check of
+pushed values in :mod:`.plausibility`, the counters in :mod:`.stats`.
 
 **Modes.** ``sync``: pushes of step t are kept per worker and summed in worker order once all
 arrived (bit-reproducible), averaged, one optimizer step, one broadcast reply. ``async``:
@@ -10,29 +12,10 @@ each push is applied on arrival as an optimizer step on ``grad / W`` and answere
 ``ssp``: like async, but the reply that lets worker w start step ``c_w`` (its clock: pushes
 applied) is held until ``c_w - min_live(c) <= K``; every release is logged with its lead.
 
-**Replies and drift.** The server keeps a replica ``r`` of what each worker holds (one shared
-replica in sync mode, one per worker otherwise). A reply encodes ``v = x - r`` with the pull
-codec (error feedback on the server: what the codec dropped stays in ``x - r`` and goes out
-with the next reply), and both sides add ``decode(v)``, so worker and replica stay bit-equal.
-The drift ``||x - r||`` then obeys ``d' <= sqrt(1 - delta) (d + ||step||)`` for a codec with
-contraction ``delta``; whatever the codec, a reply that would leave ``d' > max_drift * ||x||``
-is replaced by the dense parameters (``d' = 0``), so the bound holds after every reply.
-
 **Liveness.** A worker the server is waiting for (sync: its push for the current step;
 async/ssp: any message once its reply went out) that stays silent for ``timeout`` seconds
 raises :class:`~commpress.ps.errors.WorkerTimeout` in sync mode, and is dropped in
 async/ssp mode (it no longer holds back ssp, and gets ``STOP`` if it comes back).
-
-**Plausibility of pushed values.** A push can be valid bytes with a valid CRC and still carry
-a value no gradient has (a flipped exponent bit: the red-team took digits from 85.8% to 20.6%
-accuracy that way). Each server keeps a running norm of the pushes it accepted (an average
-with weight 0.1 per push, seeded by the median of the first ``W`` pushes, which are accepted
-as they come); a push whose decoded norm exceeds ``max_push_norm`` times it (default 1000; 0
-disables the check) is dropped like a skip push, counted per sender in ``stats.implausible``,
-logged with its worker and norm, and the step goes on without it. A dropped push leaves the
-running norm as it was, so a run whose gradients legitimately grow 1000x within ~10 pushes
-would keep dropping them: raise the factor there. It bounds mistakes, not an adversary who
-inflates values slowly, and, like the CRC, it is not authentication.
 
 **No single message stops the server.** Anything a peer sends that the run cannot accept
 (bad bytes, a first PULL with another configuration fingerprint or from another step, a
@@ -44,13 +27,9 @@ last message rejected from that worker, so a misconfigured worker is still repor
 
 from __future__ import annotations
 
-import json
 import logging
-import math
-import os
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -59,13 +38,13 @@ import torch
 from ..codecs import Codec
 from .config import PSConfig
 from .errors import ConfigError, ProtocolError, WorkerTimeout
+from .plausibility import PushNormCheck
 from .protocol import (
     BROADCAST,
     DENSE,
     FINGERPRINT_NBYTES,
     HEADER_NBYTES,
     JOIN_GRACE,
-    PULL_SEED,
     PUSH_SEED,
     TO_SERVER,
     MsgType,
@@ -74,48 +53,16 @@ from .protocol import (
     parse_header,
     parse_segments,
     payload_nbytes,
-    segment_parts,
     segment_seed,
     text_payload,
 )
+from .replies import Replies
 from .sharding import Layout, Segment
+from .stats import EventLog, Stats, gather_stats
 
 logger = logging.getLogger("commpress")
 
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
-
-
-@dataclass
-class Stats:
-    """Counters of one server (bytes include the 48-byte headers)."""
-
-    msgs_in: int = 0
-    bytes_in: int = 0
-    push_msgs: int = 0
-    push_bytes: int = 0
-    reply_msgs: int = 0
-    reply_bytes: int = 0
-    step_reply_msgs: int = 0
-    step_reply_bytes: int = 0
-    params_replies: int = 0
-    rejected: dict[int, int] = field(default_factory=dict)
-    implausible: dict[int, int] = field(default_factory=dict)
-    skipped_pushes: int = 0
-    resyncs: int = 0
-    max_drift: float = 0.0
-    max_ahead: int = 0
-    dropped: list[int] = field(default_factory=list)
-    wall_seconds: float = 0.0
-    seconds: dict[str, float] = field(default_factory=lambda: {k: 0.0 for k in ("validate", "decode", "apply", "reply")})
-
-    def as_dict(self) -> dict[str, Any]:
-        """Plain-data copy (JSON-ready)."""
-        d = dict(self.__dict__)
-        d["rejected"] = {str(k): v for k, v in self.rejected.items()}
-        d["implausible"] = {str(k): v for k, v in self.implausible.items()}
-        d["seconds"] = dict(self.seconds)
-        d["dropped"] = list(self.dropped)
-        return d
 
 
 class ShardServer:
@@ -162,7 +109,6 @@ class ShardServer:
         self.log = log
         self.dtype = layout.dtype
         self.push_codec = config.push_codec()
-        self.pull_codec = config.reply_codec()
         if initial.numel() != self.shard.numel:
             raise ConfigError(f"initial shard has {initial.numel()} elements, shard {shard} needs {self.shard.numel}")
         self.x = initial.detach().to("cpu", self.dtype).clone().reshape(-1)
@@ -178,10 +124,6 @@ class ShardServer:
         self.step = 0                      # sync: the step being collected
         self.clock = [0] * workers         # pushes applied per worker
         self.pending: dict[int, torch.Tensor | None] = {}
-        self.replica: dict[int, torch.Tensor] = {}  # key BROADCAST in sync mode
-        if self.mode == "sync":
-            self.replica[BROADCAST] = self.x.clone()
-        self.replies_since_resync: dict[int, int] = {}
         self.held: set[int] = set()        # ssp: workers whose reply is held back
         self.joined: set[int] = set()
         self.done: set[int] = set()
@@ -191,19 +133,18 @@ class ShardServer:
         self.last_loss: dict[int, float] = {}
         self.last_rejected: dict[int, str] = {}  # worker -> reason of its last rejected message
         self.stats = Stats()
-        self.max_push_norm = float(config.max_push_norm)
-        self.push_norm = 0.0  # running norm of accepted pushes (0: not seeded yet)
-        self._first_norms: list[float] = []  # the first W pushes' norms, which seed it
+        self.replies = Replies(self.shard, config, workers, self.stats)
+        self.pull_codec = self.replies.codec
+        self.replica = self.replies.replica  # key BROADCAST in sync mode
+        if self.mode == "sync":
+            self.replica[BROADCAST] = self.x.clone()
+        self.replies_since_resync = self.replies.since_resync
+        self.push_check = PushNormCheck(config.max_push_norm, workers, shard, self.stats, self._event)
         self._push_size = payload_nbytes(self.shard, self._push_codec_for, self.dtype)
-        self._update_size = payload_nbytes(self.shard, self._pull_codec_for, self.dtype)
-        self._params_size = payload_nbytes(self.shard, lambda s: DENSE, self.dtype)
 
     # ----- helpers -------------------------------------------------------------------------
     def _push_codec_for(self, seg: Segment) -> Codec:
         return self.push_codec if seg.compress else DENSE
-
-    def _pull_codec_for(self, seg: Segment) -> Codec:
-        return self.pull_codec if seg.compress else DENSE
 
     def rank_of(self, worker: int) -> int:
         """MPI rank of ``worker``."""
@@ -300,12 +241,12 @@ class ShardServer:
         self.joined.add(worker)
         if self.mode == "sync":
             if step < self.cfg.steps:  # start or resume: the workers' copy is the replica
-                return [(sender, self._params(worker, self.replica[BROADCAST], step, worker))]
-            return [(sender, self._params(worker, self.x, step, worker))]
+                return [(sender, self.replies.params(worker, self.replica[BROADCAST], step, worker))]
+            return [(sender, self.replies.params(worker, self.x, step, worker))]
         self.clock[worker] = step  # async/ssp: a (re)joining worker brings its own step
         self.replica[worker] = self.x.clone()
         self.replies_since_resync[worker] = 0
-        return [(sender, self._params(worker, self.x, step, worker))]
+        return [(sender, self.replies.params(worker, self.x, step, worker))]
 
     def _on_bye(self, worker: int, step: int, sender: int) -> Out:
         if worker not in self.joined:
@@ -344,8 +285,10 @@ class ShardServer:
             self.stats.seconds["validate"] += t1 - t0
             grad = decode_segments(packets, self.shard, self._push_codec_for, torch.empty_like(self.x), sender)
             self.stats.seconds["decode"] += time.perf_counter() - t1
-            if self.max_push_norm and not self._plausible(worker, step, grad, sender):
-                grad = None  # dropped like a skip push: the step goes on without it
+            reason = self.push_check.admit(worker, step, grad, sender) if self.push_check.enabled else None
+            if reason is not None:  # dropped like a skip push: the step goes on without it
+                self.last_rejected[worker] = reason
+                grad = None
         # accepted: from here on the message counts
         self.last_heard[worker] = self.now()
         self.stats.push_msgs += 1
@@ -367,31 +310,9 @@ class ShardServer:
         self.clock[worker] += 1
         if self.mode == "async":
             self._log_reply(worker)
-            return [(sender, self._reply(worker, step))]
+            return [(sender, self.replies.answer(self.x, worker, step))]
         self.held.add(worker)
         return self._release()
-
-    def _plausible(self, worker: int, step: int, grad: torch.Tensor, sender: int) -> bool:
-        """Check a decoded push against ``max_push_norm`` times the running norm; update the norm."""
-        norm = float(torch.linalg.vector_norm(grad, dtype=torch.float64))
-        bound = self.max_push_norm * self.push_norm
-        if not math.isfinite(norm) or (self.push_norm > 0 and norm > bound):
-            n = self.stats.implausible.get(sender, 0) + 1
-            self.stats.implausible[sender] = n
-            reason = f"PUSH at step {step}: norm {norm:.3g} exceeds {self.max_push_norm:g} x the running norm {self.push_norm:.3g}"
-            self.last_rejected[worker] = reason
-            self._event(event="implausible", rank=sender, step=step, norm=norm, bound=bound)
-            if n <= 10 or n % 100 == 0:
-                logger.warning("[commpress.ps server %d] dropped a push of worker %d (rank %d): %s", self.index, worker,
-                               sender, reason)
-            return False
-        if len(self._first_norms) < self.W:  # seeding: accept, then start from the median
-            self._first_norms.append(norm)
-            if len(self._first_norms) == self.W:
-                self.push_norm = float(np.median(self._first_norms))
-        else:
-            self.push_norm = 0.9 * self.push_norm + 0.1 * norm if self.push_norm > 0 else norm
-        return True
 
     def _sync_step(self) -> Out:
         t0 = time.perf_counter()
@@ -411,7 +332,7 @@ class ShardServer:
         now = self.now()
         self.last_heard = [now] * self.W  # the silence clock restarts when the reply goes out
         self._event(event="reply", worker=-1, step=step, ahead=0, min_clock=self.step)
-        msg = self._reply(BROADCAST, step)
+        msg = self.replies.answer(self.x, BROADCAST, step)
         return [(self.rank_of(w), msg) for w in range(self.W)]
 
     def _log_reply(self, worker: int) -> None:
@@ -428,59 +349,8 @@ class ShardServer:
                 self.held.discard(w)
                 self.last_heard[w] = self.now()
                 self._log_reply(w)
-                out.append((self.rank_of(w), self._reply(w, self.clock[w] - 1)))
+                out.append((self.rank_of(w), self.replies.answer(self.x, w, self.clock[w] - 1)))
         return out
-
-    # ----- replies -------------------------------------------------------------------------
-    def _params(self, key: int, values: torch.Tensor, step: int, worker: int, *, answer: bool = False) -> torch.Tensor:
-        packets = [DENSE.encode(values[self.shard.local(seg)]) for seg in self.shard.segments]
-        msg = build(MsgType.PARAMS, shard=self.index, worker=worker, step=step, parts=segment_parts(packets))
-        self.stats.params_replies += 1
-        self._count_reply(msg, key, answer)
-        return msg
-
-    def _count_reply(self, msg: torch.Tensor, key: int, answer: bool) -> None:
-        """Count a reply; ``answer``: it answers a push (a training step), not a PULL."""
-        n = self.W if key == BROADCAST else 1
-        self.stats.reply_msgs += n
-        self.stats.reply_bytes += n * msg.numel()
-        if answer:
-            self.stats.step_reply_msgs += n
-            self.stats.step_reply_bytes += n * msg.numel()
-
-    def _reply(self, key: int, step: int) -> torch.Tensor:
-        """Answer a push: the compressed update ``x - replica``, or dense parameters."""
-        t0 = time.perf_counter()
-        replica = self.replica[key]
-        count = self.replies_since_resync.get(key, 0) + 1
-        resync = self.pull_codec.name == "none" or (self.cfg.resync_every and count >= self.cfg.resync_every)
-        msg = None
-        if not resync:
-            delta = self.x - replica
-            packets = [
-                self._pull_codec_for(seg).encode(delta[self.shard.local(seg)],
-                                                 seed=segment_seed(self.cfg.seed, PULL_SEED, step, key, self.index, i))
-                for i, seg in enumerate(self.shard.segments)
-            ]
-            decoded = torch.zeros_like(self.x)
-            for seg, p in zip(self.shard.segments, packets):
-                self._pull_codec_for(seg).decode(p, decoded[self.shard.local(seg)])
-            new = replica + decoded
-            drift = float(torch.linalg.vector_norm(self.x - new)) / max(float(torch.linalg.vector_norm(self.x)), 1e-30)
-            if drift <= self.cfg.max_drift and math.isfinite(drift):
-                replica.copy_(new)
-                self.stats.max_drift = max(self.stats.max_drift, drift)
-                self.replies_since_resync[key] = count
-                msg = build(MsgType.UPDATE, shard=self.index, worker=key, step=step, parts=segment_parts(packets))
-                self._count_reply(msg, key, True)
-            elif self.pull_codec.name != "none":
-                self.stats.resyncs += 1
-        if msg is None:
-            replica.copy_(self.x)
-            self.replies_since_resync[key] = 0
-            msg = self._params(key, self.x, step, key, answer=True)
-        self.stats.seconds["reply"] += time.perf_counter() - t0
-        return msg
 
     def _stop(self, worker: int, reason: str) -> torch.Tensor:
         return build(MsgType.STOP, shard=self.index, worker=worker, step=self.clock[worker], parts=[text_payload(reason)])
@@ -575,141 +445,4 @@ class ShardServer:
         self._last_saved = step
 
 
-# ----- the MPI loop ------------------------------------------------------------------------------
-class EventLog:
-    """JSON-lines event log of one server (``log_dir/server-<shard>.jsonl``)."""
-
-    def __init__(self, log_dir: str | None, shard: int) -> None:
-        self._f = None
-        if log_dir:
-            os.makedirs(log_dir, exist_ok=True)
-            self._f = open(os.path.join(log_dir, f"server-{shard}.jsonl"), "a")
-
-    def __call__(self, event: dict[str, Any]) -> None:
-        """Write one event line."""
-        if self._f is not None:
-            self._f.write(json.dumps(event) + "\n")
-
-    def close(self) -> None:
-        """Flush and close the file."""
-        if self._f is not None:
-            self._f.close()
-            self._f = None
-
-
-def serve(
-    comm: Any,
-    server: ShardServer,
-    *,
-    bar: Any = None,
-    save: Callable[[int, dict[str, Any]], None] | None = None,
-) -> list[int]:
-    """Run ``server`` on ``comm`` until every worker said goodbye or was dropped and abandoned.
-
-    A dropped worker gets ``2 * timeout + 5`` seconds to come back, be told to stop and say
-    goodbye; the ranks of those that never do are returned (they may hang: the caller ends
-    the job). ``bar`` is a tqdm-like progress bar (rank 0), ``save(step, state)`` writes a
-    checkpoint. Raises :class:`WorkerTimeout` and other fatal :class:`PSError`; rejected
-    messages are logged (``commpress`` logger) and counted. Liveness is checked at least every 50 ms,
-    also while messages keep arriving.
-    """
-    from .transport import Backoff, Inbox, Outbox
-
-    inbox = Inbox(comm, server.max_message())
-    outbox = Outbox(comm)
-    backoff = Backoff()
-    grace = 2 * server.cfg.timeout + 5.0
-    sec = server.stats.seconds
-    for key in ("recv", "send", "checkpoint"):
-        sec.setdefault(key, 0.0)
-    last_bar = last_check = 0.0
-    t_start = time.monotonic()
-    while True:
-        outbox.poll()
-        now = time.monotonic()
-        src = inbox.probe()
-        if src is None or now - last_check > 0.05:
-            last_check = now
-            for dest, msg in server.check():
-                outbox.post(dest, msg)
-            if all(w in server.done for w in range(server.W) if w not in server.dropped) and len(
-                server.abandoned(grace)
-            ) == sum(1 for w in server.dropped if w not in server.done):
-                break
-        if bar is not None and now - last_bar > 0.25:
-            last_bar = now
-            _update_bar(bar, server, now - t_start)
-        if src is None:
-            backoff.wait()
-            continue
-        backoff.reset()
-        t0 = time.perf_counter()
-        try:
-            buf = inbox.receive(src)
-            t1 = time.perf_counter()
-            sec["recv"] += t1 - t0
-            out = server.handle(src, buf)
-        except ProtocolError as exc:
-            _reject(server, exc)
-            continue
-        t2 = time.perf_counter()
-        for dest, msg in out:
-            outbox.post(dest, msg)
-        t3 = time.perf_counter()
-        sec["send"] += t3 - t2
-        step = server.checkpoint_due()
-        if step is not None and save is not None:
-            save(step, server.state_dict())
-            server.mark_saved(step)
-            sec["checkpoint"] += time.perf_counter() - t3
-    server.stats.wall_seconds = time.monotonic() - t_start
-    if bar is not None:
-        _update_bar(bar, server, time.monotonic() - t_start)
-    outbox.flush(time.monotonic() + 1.0)
-    outbox.cancel()
-    return server.abandoned(grace)
-
-
-def _reject(server: ShardServer, exc: ProtocolError) -> None:
-    rank = -1 if exc.sender is None else exc.sender
-    n = server.stats.rejected.get(rank, 0) + 1
-    server.stats.rejected[rank] = n
-    server._event(event="reject", rank=rank, reason=exc.reason)
-    if n <= 10 or n % 100 == 0:
-        logger.warning("[commpress.ps server %d] rejected a message from rank %d: %s%s", server.index, rank, exc.reason,
-                       " (further rejections from this rank are counted, logged every 100th)" if n == 10 else "")
-
-
-def _update_bar(bar: Any, server: ShardServer, elapsed: float) -> None:
-    done = server.progress()
-    if done > bar.n:
-        bar.update(done - bar.n)
-    s = server.stats
-    post = {
-        "live": len(server.live()),
-        "msg/s": f"{s.msgs_in / max(elapsed, 1e-9):.0f}",
-        "MB/s": f"{(s.bytes_in + s.reply_bytes) / max(elapsed, 1e-9) / 1e6:.1f}",
-    }
-    if server.last_loss:
-        post["loss"] = f"{sum(server.last_loss.values()) / len(server.last_loss):.4f}"
-    if s.rejected:
-        post["rejected"] = sum(s.rejected.values())
-    if s.implausible:
-        post["implausible"] = sum(s.implausible.values())
-    if s.dropped:
-        post["dropped"] = len(s.dropped)
-    bar.set_postfix(post, refresh=False)
-
-
-def gather_stats(stats: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Totals over servers (used by rank 0's summary)."""
-    total: dict[str, Any] = {"servers": len(stats)}
-    for key in ("msgs_in", "bytes_in", "push_msgs", "push_bytes", "reply_msgs", "reply_bytes", "step_reply_msgs",
-                "step_reply_bytes", "resyncs", "skipped_pushes", "params_replies"):
-        total[key] = sum(int(s[key]) for s in stats)
-    total["max_drift"] = max(float(s["max_drift"]) for s in stats)
-    total["max_ahead"] = max(int(s["max_ahead"]) for s in stats)
-    total["rejected"] = sum(sum(s["rejected"].values()) for s in stats)
-    total["implausible"] = sum(sum(s.get("implausible", {}).values()) for s in stats)
-    total["dropped"] = sorted({r for s in stats for r in s["dropped"]})
-    return total
+__all__ = ["EventLog", "OptimizerFactory", "ShardServer", "Stats", "gather_stats"]

@@ -1,9 +1,11 @@
 """A worker: computes gradients on its own batches, pushes them compressed, applies replies.
 
 :class:`WorkerNode` holds the worker's state without MPI (its copy of the parameters, bound
-to the model so the model always computes with it, and the error-feedback memory) and turns
-gradients into push messages and replies into parameter changes. :func:`work` is the MPI
-loop around it.
+to the model so the model always computes with it, the error-feedback memory and one
+:class:`~.channel.ShardChannel` per server) and turns gradients into push messages and replies
+into parameter changes. :class:`WorkerRun` is the worker's step sequence as a state machine
+(join, push and wait, final pull, goodbye); :func:`commpress.ps.mpi_loop.work` only moves its
+bytes, so serial tests drive workers and servers together without MPI.
 
 Per step t: ``g = grad(loss(model, batch(w, t)))``; for each shard, each segment is encoded
 (compressed segments through error feedback, ``c = g + e``, ``e = c - decode(C(c))``; the
@@ -18,8 +20,6 @@ decoded on the host (bit-identical to the server's replica), then copied to the 
 from __future__ import annotations
 
 import logging
-import math
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,35 +27,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..codecs import Codec
 from ..codecs.base import all_finite
 from ..feedback import ErrorFeedback
 from . import faults as faults_mod
+from .channel import ShardChannel
 from .config import PSConfig
-from .errors import ConfigError, ProtocolError, PSError, ServerTimeout
-from .protocol import (
-    BROADCAST,
-    DENSE,
-    FLAG_SKIP,
-    HEADER_NBYTES,
-    JOIN_GRACE,
-    MAX_TEXT_NBYTES,
-    PULL_SEED,
-    PUSH_SEED,
-    TO_WORKER,
-    MsgType,
-    build,
-    decode_segments,
-    parse_header,
-    parse_segments,
-    parse_text,
-    payload_nbytes,
-    segment_parts,
-    segment_seed,
-)
-from .sharding import Layout, Segment
+from .errors import ConfigError, ProtocolError, PSError
+from .protocol import HEADER_NBYTES, JOIN_GRACE
+from .sharding import Layout
 
 logger = logging.getLogger("commpress")
+
+Out = list[tuple[int, Any]]  #: ``(server rank, message)`` pairs to send (tensors; raw arrays from faults)
 
 
 class WorkerNode:
@@ -91,34 +74,24 @@ class WorkerNode:
         self.push_codec = config.push_codec()
         self.pull_codec = config.reply_codec()
         self.ef = ErrorFeedback(self.push_codec) if config.use_error_feedback() else None
+        self.channels = [ShardChannel(layout, s, worker, config, fingerprint=fingerprint, checksum=checksum,
+                                      device=self.device) for s in range(layout.servers)]
         self.skipped_steps = 0
         self.push_bytes = 0
         self.reply_bytes = 0
 
-    def _push_codec_for(self, seg: Segment) -> Codec:
-        return self.push_codec if seg.compress else DENSE
-
-    def _pull_codec_for(self, seg: Segment) -> Codec:
-        return self.pull_codec if seg.compress else DENSE
-
     def max_reply(self) -> int:
         """Largest valid message a server can send this worker (the receive limit)."""
-        sizes = [MAX_TEXT_NBYTES]
-        for shard in self.layout.shards:
-            sizes.append(payload_nbytes(shard, lambda s: DENSE, self.layout.dtype))
-            sizes.append(payload_nbytes(shard, self._pull_codec_for, self.layout.dtype))
-        return HEADER_NBYTES + max(sizes)
+        return HEADER_NBYTES + max(ch.max_reply() for ch in self.channels)
 
     # ----- outgoing ------------------------------------------------------------------------
     def pull(self, step: int) -> list[tuple[int, torch.Tensor]]:
         """PULL messages (one per server) for ``step``."""
-        fp = self.fingerprint.to_bytes(8, "little")
-        return [(s, build(MsgType.PULL, shard=s, worker=self.worker, step=step, parts=[fp]))
-                for s in range(self.layout.servers)]
+        return [(ch.index, ch.pull(step)) for ch in self.channels]
 
     def bye(self, step: int) -> list[tuple[int, torch.Tensor]]:
         """BYE messages (one per server)."""
-        return [(s, build(MsgType.BYE, shard=s, worker=self.worker, step=step)) for s in range(self.layout.servers)]
+        return [(ch.index, ch.bye(step)) for ch in self.channels]
 
     def compute(self, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], batch: Any) -> tuple[float, torch.Tensor]:
         """Loss and flat gradient of ``loss_fn(model, batch)`` at the worker's parameters."""
@@ -140,32 +113,10 @@ class WorkerNode:
         if not finite:
             self.skipped_steps += 1
             logger.warning("[commpress.ps worker %d] non-finite gradient at step %d: push skipped", self.worker, step)
-        for shard in self.layout.shards:
-            packets = []
-            skip = not finite
-            for i, seg in enumerate(shard.segments):
-                if skip:
-                    break
-                x = grad[seg.start : seg.stop]
-                seed = segment_seed(self.cfg.seed, PUSH_SEED, step, self.worker, shard.index, i)
-                if seg.compress and self.ef is not None:
-                    packet = self.ef.compress(f"{shard.index}.{i}", x, seed=seed)
-                    if packet is None:  # g + e overflowed: this shard's push is skipped
-                        skip = True
-                        break
-                else:
-                    packet = self._push_codec_for(seg).encode(x, seed=seed)
-                packets.append(packet)
-            parts = [] if skip else segment_parts(packets)
-            if self.checksum and self.device.type != "cpu":
-                parts = [p.cpu() for p in parts]
-            msg = build(
-                MsgType.PUSH, shard=shard.index, worker=self.worker, step=step, parts=parts,
-                value=loss if shard.index == 0 and math.isfinite(loss) else 0.0, flags=FLAG_SKIP if skip else 0,
-                checksum=self.checksum,
-            )
+        for ch in self.channels:
+            msg = ch.push(step, grad, loss, finite, self.ef)
             self.push_bytes += msg.numel()
-            out.append((shard.index, msg))
+            out.append((ch.index, msg))
         return out
 
     # ----- incoming ------------------------------------------------------------------------
@@ -176,29 +127,18 @@ class WorkerNode:
         the worker stops rather than train on a copy it cannot vouch for.
         """
         self.reply_bytes += len(buf)
-        head = parse_header(buf, server, TO_WORKER)
-        if head.shard != server:
-            raise ProtocolError(f"shard: reply for shard {head.shard} from the server of shard {server}", server)
-        if head.worker not in (self.worker, BROADCAST):
-            raise ProtocolError(f"worker: reply addressed to worker {head.worker}, this is worker {self.worker}", server)
-        payload = buf[HEADER_NBYTES:]
-        if head.type == MsgType.STOP:
-            return parse_text(payload, server) or "stopped by the server"
-        if head.step != step:
-            raise ProtocolError(f"step: reply for step {head.step}, expected step {step}", server)
+        if not 0 <= server < len(self.channels):
+            raise ProtocolError(f"rank {server} is not a server (servers are ranks 0..{len(self.channels) - 1})", server)
+        reply = self.channels[server].accept(buf, step)
+        if reply.stop is not None:
+            return reply.stop
+        assert reply.values is not None
         shard = self.layout.shards[server]
-        update = head.type == MsgType.UPDATE
-        codec_for = self._pull_codec_for if update else (lambda s: DENSE)
-        key = BROADCAST if self.cfg.mode == "sync" else self.worker
-        seeds = [segment_seed(self.cfg.seed, PULL_SEED, step, key, server, i)
-                 for i in range(len(shard.segments))] if update else None
-        packets = parse_segments(payload, shard, codec_for, self.layout.dtype, server, seeds=seeds)
-        scratch = decode_segments(packets, shard, codec_for, torch.zeros(shard.numel, dtype=self.layout.dtype), server)
         target = self.flat[shard.start : shard.stop]
-        if update:
-            target.add_(scratch.to(self.device))
+        if reply.update:
+            target.add_(reply.values.to(self.device))
         else:
-            target.copy_(scratch)
+            target.copy_(reply.values)
         return None
 
     # ----- checkpoints ---------------------------------------------------------------------
@@ -238,88 +178,104 @@ class WorkerOutcome:
     seconds: float = 0.0
 
 
-def work(
-    comm: Any,
-    node: WorkerNode,
-    *,
-    loss: Callable[[torch.nn.Module, Any], torch.Tensor],
-    batch: Callable[[int, int, int], Any],
-    workers: int,
-    start: int = 0,
-    device_buffers: bool = False,
-    faults: Sequence[faults_mod.Fault] = (),
-    save: Callable[[int, dict[str, Any]], None] | None = None,
-) -> WorkerOutcome:
-    """Train ``node`` from step ``start`` to ``config.steps``; see the module docstring."""
-    from .transport import Inbox, Outbox
+class WorkerRun:
+    """The step sequence of one worker as a state machine over its channels (no MPI inside).
 
-    cfg = node.cfg
-    inbox = Inbox(comm, node.max_reply())
-    outbox = Outbox(comm, device_buffers)
-    servers = list(range(node.layout.servers))
-    t_begin = time.monotonic()
+    :meth:`begin` returns the first messages (the PULLs of step ``start``); then, while
+    :attr:`waiting` names servers, feed each reply to :meth:`receive`; once it is empty,
+    :meth:`advance` returns the next messages (checkpointing, computing and pushing the next
+    step, or the final PULLs, or the BYEs) until :attr:`finished`. :attr:`patience` is how long
+    the current exchange may wait for its replies (the caller raises the timeout).
 
-    def exchange(msgs: Sequence[tuple[int, torch.Tensor]], step: int, patience: float) -> str | None:
-        for dest, msg in msgs:
-            outbox.post(dest, msg)
-        waiting = set(servers)
-        stop: str | None = None
-        deadline = time.monotonic() + patience
-        while waiting:
-            got = inbox.wait(sorted(waiting), deadline)
-            if got is None:
-                raise ServerTimeout(
-                    f"worker {node.worker} (rank {comm.Get_rank()}) got no reply from server rank(s) "
-                    f"{sorted(waiting)} for step {step} within {patience:g} s", min(waiting),
-                )
-            src, buf = got
-            reason = node.apply(src, buf, step)
-            waiting.discard(src)
-            if reason is not None:
-                stop = stop or f"server {src}: {reason}"
-        outbox.poll()
-        return stop
+    Args:
+        node: the worker's state.
+        loss, batch: the task's loss and batch functions.
+        workers: ``W`` (the batch function's argument).
+        start: the first step (a resumed run's checkpoint step).
+        faults: injected faults (testing only): their messages go out before the honest pushes.
+        save: ``save(step, state)`` writes a checkpoint of the worker.
+    """
 
-    def send_raw(dest: int, buf: np.ndarray) -> None:
-        outbox.post(dest, buf)
+    def __init__(
+        self,
+        node: WorkerNode,
+        *,
+        loss: Callable[[torch.nn.Module, Any], torch.Tensor],
+        batch: Callable[[int, int, int], Any],
+        workers: int,
+        start: int = 0,
+        faults: Sequence[faults_mod.Fault] = (),
+        save: Callable[[int, dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.node, self.loss, self.batch, self.W = node, loss, batch, workers
+        self.start, self.faults, self.save = start, faults, save
+        self.step = start
+        self.stop: str | None = None  #: the first STOP reason of the current exchange ("server s: ...")
+        self.waiting: set[int] = set()  #: servers whose reply the current exchange still needs
+        self.patience = 0.0
+        self.finished = False
+        self.outcome = WorkerOutcome(steps_done=start)
+        self._phase = "join"  # join -> train -> final -> (bye) finished
+        self._expect = start  # the step the awaited replies belong to
 
-    patience = 2 * cfg.timeout + 10.0
-    stop = exchange(node.pull(start), start, cfg.timeout + JOIN_GRACE)
-    step = start
-    outcome = WorkerOutcome(steps_done=start)
-    try:
-        while stop is None and step < cfg.steps:
-            if save is not None and cfg.checkpoint_every and step > start and step % cfg.checkpoint_every == 0:
-                save(step, node.state_dict())
-            value, grad = node.compute(loss, batch(node.worker, workers, step))
+    def _exchange(self, msgs: Out, step: int, patience: float) -> Out:
+        self.waiting = {dest for dest, _ in msgs}
+        self._expect, self.patience = step, patience
+        return msgs
+
+    def begin(self) -> Out:
+        """The PULLs that join (or rejoin) the run at ``start``."""
+        cfg = self.node.cfg
+        return self._exchange(self.node.pull(self.start), self.start, cfg.timeout + JOIN_GRACE)
+
+    def receive(self, server: int, buf: np.ndarray) -> None:
+        """Apply server ``server``'s reply to the current exchange (a bad reply raises ProtocolError)."""
+        reason = self.node.apply(server, buf, self._expect)
+        self.waiting.discard(server)
+        if reason is not None:
+            self.stop = self.stop or f"server {server}: {reason}"
+
+    def advance(self) -> Out:
+        """The next messages once every awaited reply arrived (see the class docstring)."""
+        assert not self.waiting and not self.finished
+        cfg, node = self.node.cfg, self.node
+        patience = 2 * cfg.timeout + 10.0
+        if self._phase == "final":
+            self.outcome.stopped = self.stop
+            return self._goodbye()
+        if self._phase == "train" and self.stop is None:
+            self.step += 1
+        self._phase = "train"
+        if self.stop is not None:
+            self.outcome.stopped = self.stop
+            logger.warning("[commpress.ps worker %d] stopping at step %d: %s", node.worker, self.step, self.stop)
+            return self._goodbye()
+        step = self.step
+        if step < cfg.steps:
+            if self.save is not None and cfg.checkpoint_every and step > self.start and step % cfg.checkpoint_every == 0:
+                self.save(step, node.state_dict())
+            value, grad = node.compute(self.loss, self.batch(node.worker, self.W, step))
             pushes = node.push(step, grad, value)
-            for fault in faults:
-                if fault.applies(node.worker, step):
-                    faults_mod.before_push(fault, step, pushes, send_raw)
-            stop = exchange(pushes, step, patience)
-            if stop is None:
-                step += 1
-        if stop is None:
-            if save is not None and step > start:
-                save(step, node.state_dict())
-            stop_final = exchange(node.pull(step), step, patience)  # exact final parameters
-            stop = stop_final
-            outcome.stopped = stop
-        else:
-            outcome.stopped = stop
-            logger.warning("[commpress.ps worker %d] stopping at step %d: %s", node.worker, step, stop)
-    except faults_mod.Vanish:
-        outcome.vanished = True
-        outcome.steps_done = step
-        outcome.seconds = time.monotonic() - t_begin
-        return outcome
-    for dest, msg in node.bye(step):
-        outbox.post(dest, msg)
-    outbox.flush(time.monotonic() + cfg.timeout)
-    outbox.cancel()
-    outcome.steps_done = step
-    outcome.seconds = time.monotonic() - t_begin
-    return outcome
+            raw: Out = []
+            try:
+                for fault in self.faults:
+                    if fault.applies(node.worker, step):
+                        faults_mod.before_push(fault, step, pushes, lambda dest, buf: raw.append((dest, buf)))
+            except faults_mod.Vanish:
+                self.outcome.vanished = True
+                self.outcome.steps_done = step
+                self.finished = True
+                return raw
+            return raw + self._exchange(list(pushes), step, patience)
+        if self.save is not None and step > self.start:
+            self.save(step, node.state_dict())
+        self._phase = "final"
+        return self._exchange(node.pull(step), step, patience)  # exact final parameters
+
+    def _goodbye(self) -> Out:
+        self.finished = True
+        self.outcome.steps_done = self.step
+        return list(self.node.bye(self.step))
 
 
-__all__ = ["PSError", "WorkerNode", "WorkerOutcome", "work"]
+__all__ = ["PSError", "WorkerNode", "WorkerOutcome", "WorkerRun"]
