@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from commpress import CodecError
-from commpress.bitpack import (
+from commpress.spec.bitpack import (
     pack_bits_reference,
     packed_nbytes,
     padding_is_zero,

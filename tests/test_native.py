@@ -17,7 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from commpress.bitpack import (
+from commpress.spec.bitpack import (
     SUPPORTED_BITS,
     pack_bits_reference,
     packed_nbytes,

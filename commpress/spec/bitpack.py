@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import CodecError
+from ..errors import CodecError
 
 SUPPORTED_BITS = (1, 2, 4, 8)
 

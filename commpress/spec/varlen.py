@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import CodecError, WireError
+from ..errors import CodecError, WireError
 
 try:
     from numba import njit as _njit
