@@ -130,6 +130,9 @@ class Codec(ABC):
     #: hook then applies SGD momentum as its steady-state gain instead of a velocity
     #: (:meth:`commpress.ddp.optim.MomentumRule.gain`).
     value_blind: ClassVar[bool] = False
+    #: Only rounding separates decode(encode(x)) from x (none, fp16, bf16): nothing worth
+    #: feeding back, so the adapters run such codecs without an error-feedback memory.
+    lossless: ClassVar[bool] = False
 
     def block_alignment(self) -> int:
         """Elements per scale block: pieces of a tensor cut for a collective keep this alignment."""
