@@ -17,13 +17,13 @@ import torch
 
 from commpress import CodecError, ErrorFeedback, codecs, rng, wire
 from commpress.codecs.base import Codec, NonFiniteError
+from commpress.errors import KernelArgumentError
+from commpress.kernels import ops
 from commpress.spec import qsgd as qsgd_mod
 from commpress.spec import randomk as randomk_mod
 from commpress.spec import sign as sign_mod
 from commpress.spec import topk as topk_mod
 from commpress.spec.numerics import tree_sum
-from commpress.errors import KernelArgumentError
-from commpress.kernels import ops
 
 import kernel_backends
 
