@@ -13,7 +13,7 @@ on CUDA: the Python backends of :mod:`commpress.kernels.backends`, single-thread
   payloads, random-k gather and scatter at 1%), with its effective bandwidth counted the same
   way (the bytes the op must read and write, listed in the ``bytes/elt`` column) and that as a
   percentage of ``copy_``;
-* the pure-torch reference of the op (the specification in commpress/codecs/*.py: the naive
+* the pure-torch reference of the op (the specification in commpress/spec/*.py: the naive
   chain of torch ops) and, for top-k, ``torch.topk``; the speed-ups are native vs those.
 
 Then it checks the issue's targets and prints which are met. Times are medians of
@@ -39,11 +39,11 @@ from typing import Any
 import torch
 from torch.utils.benchmark import Timer
 
-from .codecs import qsgd as qsgd_ref
-from .codecs import randomk as randomk_ref
-from .codecs import sign as sign_ref
-from .codecs import topk as topk_ref
 from .kernels import backends, ops
+from .spec import qsgd as qsgd_ref
+from .spec import randomk as randomk_ref
+from .spec import sign as sign_ref
+from .spec import topk as topk_ref
 
 SIZES = {"1M": 1 << 20, "16M": 1 << 24, "64M": 1 << 26}
 BUCKET = 512  # QSGD bucket size

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from .feedback import MAX_PLAUSIBLE_ABS
+from .checks import MAX_PLAUSIBLE_ABS, check_loaded_tensor
 
 #: magic of the parameter server's files (:mod:`commpress.ps.checkpoint`)
 PS_MAGIC = b"CPCK"
@@ -169,13 +169,7 @@ def validate(state: Mapping[str, Any], *, like: Mapping[str, Any] | None = None,
     for where, v in _walk(state, ""):
         if isinstance(v, torch.Tensor):
             if v.is_floating_point() or v.is_complex():
-                if v.numel() == 0:
-                    continue
-                if not bool(torch.isfinite(v).all()):
-                    raise CheckpointError(f"{what}: {where} holds NaN or Inf")
-                top = float(v.abs().max())
-                if top > max_abs:
-                    raise CheckpointError(f"{what}: {where} holds {top:.4g}, beyond the plausible magnitude {max_abs:g} (corrupt?)")
+                check_loaded_tensor(v, f"{what}: {where}", dtypes=None, max_abs=max_abs, error=CheckpointError)
             elif v.dtype != torch.bool and v.numel():
                 if int(v.min()) < -_INT64 or int(v.max()) >= _INT64:  # uint64 beyond int64
                     raise CheckpointError(f"{what}: {where} holds an integer outside int64")

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from .checks import MAX_PLAUSIBLE_ABS as MAX_PLAUSIBLE_ABS
+from .checks import check_loaded_tensor
 from .codecs import Codec, from_config
 from .codecs.base import check_dtype
 from .dtypes import accumulate_dtype
@@ -35,11 +37,6 @@ from .errors import CodecError
 from .wire.packet import Packet
 
 logger = logging.getLogger("commpress")
-
-#: The largest magnitude a checkpointed residual, velocity or parameter may hold: gradients,
-#: residuals and moments of a model that trains stay far below it; a value beyond it is corruption
-#: (checked by every checkpoint loader: error feedback, the DDP and FSDP states, the parameter server).
-MAX_PLAUSIBLE_ABS = 1e15
 
 
 def check_codec_config(config: Any) -> dict[str, Any]:
@@ -273,15 +270,7 @@ class ErrorFeedback:
         for key, value in residuals.items():
             if not isinstance(key, str) or not isinstance(value, torch.Tensor):
                 raise ValueError(f"residual {key!r} must be a tensor under a str key")
-            if value.dtype not in (torch.float32, torch.float64):
-                raise ValueError(f"residual {key!r} has dtype {value.dtype}, expected float32 or float64")
-            if not bool(torch.isfinite(value).all()):
-                raise ValueError(f"residual {key!r} contains NaN or Inf")
-            if value.numel() and float(value.abs().max()) > MAX_PLAUSIBLE_ABS:
-                raise ValueError(
-                    f"residual {key!r} holds {float(value.abs().max()):.3g}, beyond the plausible "
-                    f"magnitude {MAX_PLAUSIBLE_ABS:g} (a corrupt checkpoint?)"
-                )
+            check_loaded_tensor(value, f"residual {key!r}")
             if self.shapes is not None:
                 if key not in self.shapes:
                     raise ValueError(f"residual {key!r} is not a declared key")

@@ -6,13 +6,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from commpress import CodecError
-from commpress.bitpack import (
+from commpress.kernels import ops
+from commpress.spec.bitpack import (
     pack_bits_reference,
     packed_nbytes,
     padding_is_zero,
     unpack_bits_reference,
 )
-from commpress.kernels import ops
 
 EDGE_LENGTHS = [0, 1, 7, 8, 9, 31, 32, 33, 63, 64, 65, 255, 257, 1023, 1025]
 

@@ -266,7 +266,7 @@ def test_spec_round_trip_and_errors():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_all_finite_matches_isfinite(dtype):
-    from commpress.codecs.base import all_finite
+    from commpress.spec.numerics import all_finite
 
     big = torch.finfo(dtype).max
     cases = [
@@ -284,3 +284,17 @@ def test_all_finite_matches_isfinite(dtype):
     cases.append(both)
     for t in cases:
         assert all_finite(t) == bool(torch.isfinite(t).all())
+
+
+def test_lossless_is_the_rounding_only_codecs():
+    assert {name for name in codecs.available() if codecs.codec_class(name).lossless} == {"none", "fp16", "bf16"}
+
+
+def test_codecs_register_into_the_wire_registry():
+    from commpress.wire import registry
+
+    for name in codecs.available():
+        cls = codecs.codec_class(name)
+        assert registry.by_name(name) is cls and registry.by_id(cls.codec_id) is cls
+    with pytest.raises(CodecError, match="unknown codec"):
+        registry.by_name("nope")

@@ -206,3 +206,24 @@ def test_save_rollback_and_buffer_reuse_keep_the_residuals_exact(spec):
         want = plain.compress("w", grad, seed=step)
         assert torch.equal(wire.to_bytes(packet), wire.to_bytes(want))
         assert torch.equal(saving.residual("w"), plain.residual("w"))
+
+
+def test_check_loaded_tensor_names_the_entry():
+    from commpress.checks import MAX_PLAUSIBLE_ABS, check_loaded_tensor
+
+    assert MAX_PLAUSIBLE_ABS == 1e15
+
+    check_loaded_tensor(torch.zeros(3), "residual 'w'", numel=3)
+    check_loaded_tensor(torch.zeros(0, dtype=torch.float64), "residual 'w'")
+    cases = [
+        ([1.0], {"numel": 2}, "residual 'w' has 1 elements, expected 2"),
+        (torch.zeros(2, dtype=torch.float16), {}, "residual 'w' has dtype torch.float16, expected float32 or float64"),
+        (torch.tensor([float("nan")]), {}, "residual 'w' contains NaN or Inf"),
+        (torch.tensor([1e30]), {}, "residual 'w' holds 1e\\+30, beyond the plausible magnitude 1e\\+15"),
+    ]
+    for value, kwargs, message in cases:
+        t = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+        with pytest.raises(ValueError, match=message):
+            check_loaded_tensor(t, "residual 'w'", **kwargs)
+    with pytest.raises(ValueError, match="must be a tensor"):
+        check_loaded_tensor([1.0], "residual 'w'")

@@ -2,7 +2,7 @@
 
 Backends (tests/kernel_backends.py): ``cpu:<isa>`` (the native CPU kernels, once per
 instruction-set variant this CPU runs: default, avx2, avx512), ``numba``, and ``cuda`` /
-``cupy`` when a GPU is present. Each case runs the reference (commpress/codecs/*.py) and the
+``cupy`` when a GPU is present. Each case runs the reference (commpress/spec/*.py) and the
 backend on the same input and compares every output, residuals included, bit for bit (floats
 compared as integers, so even the sign of a zero must match). Then ``torch.library.opcheck``
 on every native op, and bad input: rejected once, by the kernel contract
@@ -16,13 +16,14 @@ import pytest
 import torch
 
 from commpress import CodecError, ErrorFeedback, codecs, rng, wire
-from commpress.codecs import qsgd as qsgd_mod
-from commpress.codecs import randomk as randomk_mod
-from commpress.codecs import sign as sign_mod
-from commpress.codecs import topk as topk_mod
-from commpress.codecs.base import Codec, NonFiniteError, tree_sum
+from commpress.codecs.base import Codec, NonFiniteError
 from commpress.errors import KernelArgumentError
 from commpress.kernels import ops
+from commpress.spec import qsgd as qsgd_mod
+from commpress.spec import randomk as randomk_mod
+from commpress.spec import sign as sign_mod
+from commpress.spec import topk as topk_mod
+from commpress.spec.numerics import tree_sum
 
 import kernel_backends
 

@@ -17,14 +17,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from commpress.bitpack import (
+from commpress.errors import CodecError
+from commpress.kernels import ops
+from commpress.spec.bitpack import (
     SUPPORTED_BITS,
     pack_bits_reference,
     packed_nbytes,
     unpack_bits_reference,
 )
-from commpress.errors import CodecError
-from commpress.kernels import ops
 
 import kernel_backends
 

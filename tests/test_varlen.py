@@ -1,11 +1,12 @@
-"""Elias-gamma coding of QSGD levels (commpress/varlen.py) against an independent bit-string spec."""
+"""Elias-gamma coding of QSGD levels (commpress/spec/varlen.py) against an independent bit-string spec."""
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from commpress import CodecError, WireError, codecs, varlen, wire
+from commpress import CodecError, WireError, codecs, wire
+from commpress.spec import varlen
 
 LEVELS = [1, 3, 7, 100, 127]
 

@@ -1,5 +1,8 @@
 """Codec registry: ``commpress.codecs.get(name, **params)`` and lookup by wire id.
 
+The ids live in the wire's registry (:mod:`commpress.wire.registry`); every codec class listed
+here registers into it when this package is imported.
+
 ========  ===========================================  ========  =====================
 name      what travels                                 unbiased  contraction delta
 ========  ===========================================  ========  =====================
@@ -15,9 +18,11 @@ qsgd      2/4/8-bit stochastic levels + bucket norms   yes       (variance bound
 
 from __future__ import annotations
 
+import typing
 from typing import Any
 
 from ..errors import CodecError
+from ..wire import registry as wire_registry
 from .base import Codec
 from .cast import Bf16Codec, Fp16Codec
 from .none import NoneCodec
@@ -29,8 +34,6 @@ from .topk import TopKCodec
 _CLASSES: tuple[type[Codec], ...] = (
     NoneCodec, Fp16Codec, Bf16Codec, TopKCodec, RandomKCodec, SignCodec, QSGDCodec,
 )
-_BY_NAME = {cls.name: cls for cls in _CLASSES}
-_BY_ID = {cls.codec_id: cls for cls in _CLASSES}
 
 __all__ = [
     "Bf16Codec", "Codec", "Fp16Codec", "NoneCodec", "QSGDCodec", "RandomKCodec", "SignCodec",
@@ -47,29 +50,27 @@ def register(cls: type[Codec]) -> type[Codec]:
     """
     if not (isinstance(cls, type) and issubclass(cls, Codec)):
         raise CodecError(f"register needs a Codec subclass, got {cls!r}")
-    if cls.name in _BY_NAME or cls.codec_id in _BY_ID or not 0 < cls.codec_id < 256:
-        raise CodecError(f"codec {cls.name!r} (wire id {cls.codec_id}) clashes with a registered one or is out of range")
-    _BY_NAME[cls.name] = cls
-    _BY_ID[cls.codec_id] = cls
+    wire_registry.register(cls)
     return cls
+
+
+for _cls in _CLASSES:
+    register(_cls)
 
 
 def available() -> list[str]:
     """Names accepted by :func:`get`, in wire-id order."""
-    return list(_BY_NAME)
+    return wire_registry.names()
 
 
 def codec_class(name: str) -> type[Codec]:
     """The codec class registered under ``name``; :class:`CodecError` if unknown."""
-    try:
-        return _BY_NAME[name]
-    except KeyError:
-        raise CodecError(f"unknown codec {name!r}; available: {', '.join(_BY_NAME)}") from None
+    return typing.cast("type[Codec]", wire_registry.by_name(name))  # only Codec subclasses register
 
 
 def codec_class_by_id(codec_id: int) -> type[Codec] | None:
     """The codec class with wire id ``codec_id``, or None."""
-    return _BY_ID.get(codec_id)
+    return typing.cast("type[Codec] | None", wire_registry.by_id(codec_id))
 
 
 def get(name: str, **params: Any) -> Codec:

@@ -25,6 +25,7 @@ class _CastCodec(Codec):
     wire_dtype: ClassVar[torch.dtype]
     overflow_hint: ClassVar[str]
     summable = True
+    lossless = True  # rounding only
 
     def config(self) -> dict[str, Any]:
         """Return ``{"name": <fp16|bf16>}``."""

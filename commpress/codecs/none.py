@@ -17,6 +17,7 @@ class NoneCodec(Codec):
     codec_id = 1
     unbiased = True
     summable = True
+    lossless = True
 
     def config(self) -> dict[str, Any]:
         """Return ``{"name": "none"}``."""

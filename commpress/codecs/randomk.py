@@ -14,7 +14,7 @@ decoder regenerates them instead of reading them off the wire.
 
 Wire: ``values`` (k x input dtype); ``param0 = k``, ``param1 = scaled``; the seed is in the header.
 
-Kernels: :func:`gather_reference` / :func:`scatter_add_reference` are the specification;
+Kernels: ``gather_reference`` / ``scatter_add_reference`` (:mod:`commpress.spec.randomk`) are the specification;
 ``commpress.kernels.ops.randomk_gather`` / ``randomk_scatter_add`` run native kernels that regenerate
 each index from the seed in place (no index tensor is built), bit-identical to them.
 """
@@ -26,30 +26,13 @@ from typing import Any
 
 import torch
 
-from .. import rng
 from ..errors import CodecError, WireError
 from ..kernels import ops
+from ..spec.randomk import block_bounds, gather_reference, random_indices, scatter_add_reference
 from ..wire.packet import Packet, Section
-from .base import Codec, check_finite_section, check_ratio_k, ratio_to_k, require_finite
+from .base import Codec, check_finite_section, check_ratio_k, ratio_to_k
 
-
-def block_bounds(numel: int, k: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """Return (start, length) of the k strata over ``numel`` elements, as int64 tensors."""
-    j = torch.arange(k + 1, dtype=torch.int64, device=device)
-    # floor(j * numel / k) without forming j * numel, which would overflow int64 for huge
-    # tensors (exact while j * (numel % k) < 2**63, i.e. k < 3e9; the kernels do the same)
-    edges = j * (numel // k) + j * (numel % k) // k
-    return edges[:-1], edges[1:] - edges[:-1]
-
-
-def random_indices(seed: int, numel: int, k: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The k sorted indices random-k keeps for ``(seed, numel, k)`` (int64)."""
-    if k == 0:
-        return torch.empty(0, dtype=torch.int64, device=device)
-    start, length = block_bounds(numel, k)
-    offsets = rng.below(seed, rng.STREAM_RANDOMK, length)
-    return (start + offsets).to(device)
-
+__all__ = ["RandomKCodec", "block_bounds", "gather_reference", "random_indices", "scatter_add_reference"]
 
 logger = logging.getLogger("commpress")
 
@@ -147,25 +130,3 @@ class RandomKCodec(Codec):
 
     def _decode_add(self, packet: Packet, out: torch.Tensor) -> None:
         ops.randomk_scatter_add(packet.sections["values"].to(out.dtype), packet.seed, out)
-
-
-def gather_reference(x: torch.Tensor, k: int, seed: int, scaled: bool) -> torch.Tensor:
-    """The specification of ``commpress::randomk_gather``: the k values random-k sends."""
-    require_finite(x)
-    numel = x.numel()
-    if k and -(-numel // k) >= 1 << 32:
-        raise CodecError(f"randomk: k={k} is too small for numel={numel} (blocks > 2**32)")
-    idx = random_indices(seed, numel, k, x.device)
-    values = x[idx]
-    if scaled and k:
-        _, length = block_bounds(numel, k, x.device)
-        values = values * length.to(values.dtype)
-        if not bool(torch.isfinite(values).all()):  # fp16 can overflow here
-            raise CodecError(f"randomk: x scaled by its block length overflows {x.dtype}; use scaled=False")
-    return values
-
-
-def scatter_add_reference(values: torch.Tensor, seed: int, out: torch.Tensor) -> None:
-    """The specification of ``commpress::randomk_scatter_add``: ``out[idx] += values``."""
-    idx = random_indices(seed, out.numel(), values.numel(), out.device)
-    out.index_add_(0, idx, values)

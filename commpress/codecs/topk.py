@@ -6,8 +6,8 @@ Indices are sent sorted ascending (one canonical byte form per input); ties in m
 the k-th largest are broken toward the lower index, so the selection is a pure function of the
 input, identical on every backend.
 
-Kernels: :func:`select_reference` (``torch.topk`` for the k-th magnitude, then the tie rule)
-and :func:`scatter_add_reference` are the specification; ``commpress.kernels.ops.topk_select`` runs the
+Kernels: ``select_reference`` (``torch.topk`` for the k-th magnitude, then the tie rule)
+and ``scatter_add_reference`` (:mod:`commpress.spec.topk`) are the specification; ``commpress.kernels.ops.topk_select`` runs the
 native sampled-threshold selection (CPU) or radix selection (CUDA), exact and bit-identical, and
 ``commpress.kernels.ops.sparse_scatter_add`` adds many (indices, values) payloads into one dense output
 (the gather side of a sparse collective), bounds- and duplicate-checked.
@@ -17,22 +17,17 @@ Wire: ``indices`` (int32, or int64 past 2**31 - 1 elements) then ``values`` (inp
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from ..errors import CodecError, WireError
+from ..errors import WireError
 from ..kernels import ops
+from ..spec.topk import first_bad_index, scatter_add_reference, select_reference, sorted_in_range
 from ..wire.packet import Packet, Section
-from .base import (
-    Codec,
-    check_finite_section,
-    check_ratio_k,
-    index_dtype,
-    ratio_to_k,
-    require_finite,
-)
+from .base import Codec, check_finite_section, check_ratio_k, index_dtype, ratio_to_k
+
+__all__ = ["TopKCodec", "scatter_add_reference", "select_reference"]
 
 
 class TopKCodec(Codec):
@@ -81,11 +76,11 @@ class TopKCodec(Codec):
     def check_content(cls, packet: Packet) -> None:
         """Indices strictly increasing (so no duplicates) and in ``[0, numel)``; values finite."""
         idx = packet.sections["indices"]
-        if idx.numel():
-            if int(idx[0]) < 0 or int(idx[-1]) >= packet.numel:
+        if not sorted_in_range(idx, packet.numel):
+            value = int(idx[first_bad_index(idx, packet.numel)])
+            if not 0 <= value < packet.numel:
                 raise WireError(f"section 'indices': index out of range [0, {packet.numel})")
-            if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
-                raise WireError("section 'indices': indices must be strictly increasing (sorted, no duplicates)")
+            raise WireError("section 'indices': indices must be strictly increasing (sorted, no duplicates)")
         check_finite_section(packet, "values")
 
     def _encode(self, flat: torch.Tensor, params: tuple[int, int], seed: int) -> dict[str, torch.Tensor]:
@@ -100,57 +95,3 @@ class TopKCodec(Codec):
 
     def _decode_add(self, packet: Packet, out: torch.Tensor) -> None:
         ops.sparse_scatter_add([packet.sections["indices"]], [packet.sections["values"]], out)
-
-
-def select_reference(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The specification of ``commpress::topk_select``: ``(indices, values)`` of the k largest |x|.
-
-    Exact: every element above the k-th largest magnitude, then the lowest-index elements equal
-    to it; indices ascending (int32, or int64 past 2**31 - 1 elements), values copied from x.
-    """
-    require_finite(x)
-    numel = x.numel()
-    if not 0 <= k <= numel:
-        raise CodecError(f"topk_select: k must be in [0, numel={numel}], got {k}")
-    if k == 0:
-        return torch.empty(0, dtype=index_dtype(numel), device=x.device), x[:0].clone()
-    mags = x.abs()
-    kth = torch.topk(mags, k, sorted=False).values.min()
-    above = (mags > kth).nonzero().view(-1)
-    equal = (mags == kth).nonzero().view(-1)[: k - above.numel()]
-    idx = torch.sort(torch.cat([above, equal])).values
-    return idx.to(index_dtype(numel)), x[idx]
-
-
-def check_payloads(indices: Sequence[torch.Tensor], values: Sequence[torch.Tensor], out: torch.Tensor) -> None:
-    """Raise :class:`CodecError` unless every payload can be scattered into ``out``.
-
-    Index tensors: 1-D int32/int64, strictly increasing (so no duplicates), in ``[0, numel)``;
-    value tensors: 1-D, ``out``'s dtype and device, one per index.
-    """
-    if len(indices) != len(values):
-        raise CodecError(f"sparse_scatter_add: got {len(indices)} index tensors but {len(values)} value tensors")
-    numel = out.numel()
-    for p, (idx, val) in enumerate(zip(indices, values)):
-        if idx.dim() != 1 or idx.dtype not in (torch.int32, torch.int64):
-            raise CodecError(f"sparse_scatter_add: indices[{p}] must be a 1-D int32/int64 tensor, got {idx.dtype} {tuple(idx.shape)}")
-        if val.dim() != 1 or val.dtype != out.dtype or val.numel() != idx.numel():
-            raise CodecError(
-                f"sparse_scatter_add: values[{p}] must be 1-D {out.dtype} with {idx.numel()} elements, "
-                f"got {val.dtype} {tuple(val.shape)}"
-            )
-        if idx.device != out.device or val.device != out.device:
-            raise CodecError(f"sparse_scatter_add: payload {p} is on {idx.device}/{val.device}, out on {out.device}")
-        if idx.numel():
-            lo, hi = int(idx.min()), int(idx.max())
-            if lo < 0 or hi >= numel:
-                raise CodecError(f"sparse_scatter_add: indices[{p}] holds {lo if lo < 0 else hi}, out of range [0, {numel})")
-            if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
-                raise CodecError(f"sparse_scatter_add: indices[{p}] must be strictly increasing (no duplicates)")
-
-
-def scatter_add_reference(indices: Sequence[torch.Tensor], values: Sequence[torch.Tensor], out: torch.Tensor) -> None:
-    """The specification of ``commpress::sparse_scatter_add``: ``out[idx] += values``, payload by payload."""
-    check_payloads(indices, values, out)
-    for idx, val in zip(indices, values):
-        out.index_add_(0, idx.long(), val)

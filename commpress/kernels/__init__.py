@@ -5,6 +5,7 @@
 - :mod:`.schema`: every op's arguments, stated once (one typed record per op);
 - :mod:`.backends`: the Python backends' registry;
 - :mod:`.checks`: the kernel contract, one argument check per op, run before any backend;
+- :mod:`.reference`: the pure-torch backend, each op run on its specification (:mod:`commpress.spec`);
 - :mod:`.numba_cpu`, :mod:`.cupy_cuda`: the Python backends (imported on first use).
 
 Nothing here knows about codecs' wire layouts, collectives or DDP.

@@ -93,7 +93,7 @@ def _w(x, e, i, has_e, mode):
 
 @njit(cache=True)
 def _tree_sum(x, e, has_e, mode, start, stop, kind, scale, buf, chunks):
-    """commpress.codecs.base.tree_sum of |w|, w^2 or (w/scale)^2 over w[start:stop] in float64.
+    """commpress.spec.numerics.tree_sum of |w|, w^2 or (w/scale)^2 over w[start:stop] in float64.
 
     Returns (sum, all finite); w is recomputed from x and e (no copy of it is stored).
     """

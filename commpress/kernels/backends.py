@@ -3,7 +3,7 @@
 :mod:`commpress.kernels.ops` runs each op on the first backend that has it for the tensor's device:
 ``native`` (the ``commpress._C`` extension), then the Python backend of that device
 (``numba`` for CPU tensors, ``cupy`` for CUDA tensors), then ``reference`` (the pure-torch
-specification in ``commpress/codecs/*.py``). Every backend module here exports the ops with the
+specification, :mod:`.reference` over :mod:`commpress.spec`). Every backend module here exports the ops with the
 native schemas' arguments, already validated by :mod:`.checks` (ops.py checks once, before any
 backend), and is imported only when first used, so a missing numba or CuPy never breaks
 ``import commpress``.

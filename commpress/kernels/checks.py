@@ -22,14 +22,15 @@ import numpy as np
 import torch
 
 from .. import rng
-from ..bitpack import SUPPORTED_BITS
 from ..dtypes import FLOAT_DTYPES, accumulate_dtype
 from ..errors import KernelArgumentError, NonFiniteError
+from ..spec.bitpack import SUPPORTED_BITS
+from ..spec.qsgd import QSGD_BITS, max_levels
+from ..spec.topk import bad_index as bad_index
 from . import schema
 
 #: Largest value of the native schemas' ``int`` (int64).
 INT64_MAX = (1 << 63) - 1
-QSGD_BITS = (2, 4, 8)
 
 
 def fail(op: str, message: str) -> KernelArgumentError:
@@ -134,7 +135,7 @@ def _bits(op: str, bits: Any, allowed: Sequence[int]) -> int:
 
 
 def _qsgd(op: str, bits: Any, levels: Any, bucket: Any) -> None:
-    top = (1 << (_bits(op, bits, QSGD_BITS) - 1)) - 1
+    top = max_levels(_bits(op, bits, QSGD_BITS))
     if not isinstance(levels, int) or isinstance(levels, bool) or not 1 <= levels <= top:
         raise fail(op, f"levels must be in [1, {top}] for bits={bits}, got {levels}")
     _int(op, "bucket_size", bucket, 1)
@@ -321,11 +322,3 @@ def scaled_overflow(op: str, dtype: torch.dtype) -> KernelArgumentError:
 def field_too_wide(fields: torch.Tensor, i: int, bits: int) -> KernelArgumentError:
     """``fields[i]`` does not fit in ``bits`` bits."""
     return fail("pack_bits", f"fields[{i}] = {int(fields[i])} does not fit in bits={bits} (every field must be < {1 << bits})")
-
-
-def bad_index(p: int, j: int, value: int, previous: int, n: int) -> KernelArgumentError:
-    """The first invalid index ``indices[p][j]`` of a sparse scatter-add."""
-    op = "sparse_scatter_add"
-    if not 0 <= value < n:
-        return fail(op, f"indices[{p}][{j}] = {value} is out of range [0, {n})")
-    return fail(op, f"indices[{p}] must be strictly increasing (no duplicates): indices[{p}][{j}] = {value} follows {previous}")

@@ -3,7 +3,7 @@
 A pure-Python install (``COMMPRESS_PURE_PYTHON=1``, or a wheel built for another torch) has no
 ``commpress._C``; with numba present, :mod:`commpress.kernels.ops` runs these kernels instead of the
 much slower pure-torch references. They implement the same specification (the references in
-``commpress/codecs/*.py``) bit for bit: the same fixed summation order (``tree_sum``), the same
+``commpress/spec/``) bit for bit: the same fixed summation order (``tree_sum``), the same
 correctly rounded square root, the same counter-based RNG (:mod:`commpress.rng`), the same
 rounding to float16/bfloat16 at the same steps; ``tests/test_kernels.py`` checks every op
 against the reference like the native backends.
@@ -82,7 +82,7 @@ def _finish_write(out: torch.Tensor, work: torch.Tensor) -> None:
 # ----- bit packing -------------------------------------------------------------------------------
 @implements(schema.PackBits)
 def pack_bits(a: schema.PackBits) -> torch.Tensor:
-    """Pack ``bits``-wide fields LSB-first (specification: :mod:`commpress.bitpack`)."""
+    """Pack ``bits``-wide fields LSB-first (specification: :mod:`commpress.spec.bitpack`)."""
     packed = torch.empty(checks.packed_nbytes(a.fields.numel(), a.bits), dtype=torch.uint8)
     bad = _kernels().pack(_np(a.fields), a.bits, _np(packed))
     if bad >= 0:

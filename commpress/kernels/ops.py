@@ -8,7 +8,7 @@ Backends, tried in this order for each op (:func:`backend_for`):
 2. the Python backend of the tensor's device: ``numba`` for CPU tensors
    (:mod:`commpress.kernels.numba_cpu`), ``cupy`` for CUDA tensors
    (:mod:`commpress.kernels.cupy_cuda`), each used only when its library is installed.
-3. ``reference``: the pure-torch specification (``commpress/codecs/*.py``).
+3. ``reference``: the pure-torch specification (:mod:`commpress.spec`, run by :mod:`.reference`).
 
 Every backend gives bit-identical results (tests/test_native.py and tests/test_kernels.py check
 it). ``COMMPRESS_BACKEND=<name>`` or :func:`use_backend` puts one backend first wherever it
@@ -35,11 +35,9 @@ from typing import Any
 
 import torch
 
-from .. import rng
-from ..bitpack import pack_bits_reference, unpack_bits_reference
 from ..dtypes import index_dtype
 from ..errors import CodecError, KernelArgumentError, NonFiniteError
-from . import backends, checks, schema
+from . import backends, checks, reference, schema
 
 _OPS = backends.OP_NAMES
 
@@ -205,41 +203,6 @@ def _native(op: str, args: tuple[Any, ...]) -> Any:
         raise KernelArgumentError(message) from exc
 
 
-def _unsigned(seed: int) -> int:
-    return seed & rng.SEED_MASK  # the schema's int64 bit pattern back to the uint64 seed
-
-
-def _reference(op: str, a: Any) -> Any:
-    """Run ``op`` on the pure-torch specification; ``a`` is the op's record (:mod:`.schema`)."""
-    from ..codecs import qsgd, randomk, sign, topk
-
-    if op == "pack_bits":
-        return pack_bits_reference(*a)
-    if op == "unpack_bits":
-        return unpack_bits_reference(*a)
-    if op == "sign_encode":  # a block longer than x is one block (effective_block)
-        block = checks.effective_block(a.x.numel(), a.block_size)
-        return sign.encode_reference(a.x, block, a.residual)
-    if op == "sign_decode":
-        block = checks.effective_block(a.out.numel(), a.block_size)
-        return sign.decode_reference(a.scales, a.bits, block, a.out, a.accumulate)
-    if op == "qsgd_encode":
-        bucket = checks.effective_block(a.x.numel(), a.bucket_size)
-        return qsgd.encode_reference(a.x, a.bits, a.levels, bucket, _unsigned(a.seed), a.residual)
-    if op == "qsgd_decode":
-        bucket = checks.effective_block(a.out.numel(), a.bucket_size)
-        return qsgd.decode_reference(a.norms, a.packed, a.bits, a.levels, bucket, a.out, a.accumulate)
-    if op == "topk_select":
-        return topk.select_reference(*a)
-    if op == "sparse_scatter_add":
-        return topk.scatter_add_reference(*a)
-    if op == "randomk_gather":
-        return randomk.gather_reference(a.x, a.k, _unsigned(a.seed), a.scaled)
-    if op == "randomk_scatter_add":
-        return randomk.scatter_add_reference(a.values, _unsigned(a.seed), a.out)
-    raise CodecError(f"unknown kernel op {op!r}; expected one of {', '.join(_OPS)}")
-
-
 def call(op: str, *args: Any) -> Any:
     """Run kernel op ``op`` with the native schema's arguments: check them, then run the backend.
 
@@ -254,9 +217,8 @@ def call(op: str, *args: Any) -> Any:
     backend = backend_for(op, device_type)
     if backend == "native":
         return _native(op, tuple(a))
-    if backend == "reference":
-        return _reference(op, a)
-    return getattr(backends.module(backend), op)(*a)
+    module = reference if backend == "reference" else backends.module(backend)
+    return getattr(module, op)(*a)
 
 
 class _Checked:
@@ -286,7 +248,7 @@ def _contiguous(t: Any) -> Any:
 
 # ----- bit packing ------------------------------------------------------------------------------
 def pack_bits(fields: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack a 1-D uint8 tensor of ``bits``-wide fields LSB-first (see :mod:`commpress.bitpack`)."""
+    """Pack a 1-D uint8 tensor of ``bits``-wide fields LSB-first (see :mod:`commpress.spec.bitpack`)."""
     result: torch.Tensor = call("pack_bits", _contiguous(fields), bits)
     return result
 
@@ -301,7 +263,7 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
 def sign_encode(
     x: torch.Tensor, block_size: int, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(scales, bits)`` of the sign codec for 1-D ``x``; see :func:`commpress.codecs.sign.encode_reference`.
+    """``(scales, bits)`` of the sign codec for 1-D ``x``; see :func:`commpress.spec.sign.encode_reference`.
 
     With ``residual``: fused error feedback, ``residual`` is updated in place.
     """
@@ -324,7 +286,7 @@ def qsgd_encode(
     seed: int,
     residual: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(norms, packed)`` of QSGD for 1-D ``x``; see :func:`commpress.codecs.qsgd.encode_reference`.
+    """``(norms, packed)`` of QSGD for 1-D ``x``; see :func:`commpress.spec.qsgd.encode_reference`.
 
     With ``residual``: fused error feedback, ``residual`` is updated in place.
     """
@@ -354,7 +316,7 @@ def sparse_scatter_add(a: schema.SparseScatterAdd) -> None:
 
 # ----- random-k -----------------------------------------------------------------------------------
 def randomk_gather(x: torch.Tensor, k: int, seed: int, scaled: bool) -> torch.Tensor:
-    """The k values random-k sends for 1-D ``x``; see :func:`commpress.codecs.randomk.gather_reference`."""
+    """The k values random-k sends for 1-D ``x``; see :func:`commpress.spec.randomk.gather_reference`."""
     values: torch.Tensor = call("randomk_gather", x, k, _signed_seed(seed), scaled)
     return values
 

@@ -7,7 +7,7 @@ offset   size    field
 =======  ======  =============================================================
 0        4       ``magic``: ``b"CPRS"``
 4        1       ``version``: format version, currently 1
-5        1       ``codec_id``: which codec (see ``commpress.codecs.available()``)
+5        1       ``codec_id``: which codec (:mod:`.registry`; ``commpress.codecs.available()``)
 6        1       ``dtype``: dtype of the encoded tensor (1 fp32, 2 fp16, 3 bf16, 4 fp64)
 7        1       ``nsections``: number of sections that follow
 8        8       ``numel``: element count of the encoded tensor
@@ -45,15 +45,14 @@ from __future__ import annotations
 import struct
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from ..errors import CodecError, WireError
+from . import registry
 from .packet import FLOAT_DTYPE_CODES, Packet, Section
-
-if TYPE_CHECKING:
-    from ..codecs.base import Codec
+from .registry import WireCodec
 
 MAGIC = b"CPRS"
 VERSION = 1
@@ -96,7 +95,7 @@ class Expect(NamedTuple):
     seed: int | None = None
 
     @classmethod
-    def of(cls, codec: Codec, numel: int, dtype: torch.dtype, seed: int | None = None) -> Expect:
+    def of(cls, codec: WireCodec, numel: int, dtype: torch.dtype, seed: int | None = None) -> Expect:
         """The expectation for ``codec`` encoding ``numel`` elements of ``dtype``."""
         return cls(codec.name, dtype, numel, codec.wire_params(numel), seed)
 
@@ -107,9 +106,7 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 def to_bytes(packet: Packet) -> torch.Tensor:
     """Serialise ``packet`` into one flat uint8 tensor on the packet's device."""
-    from ..codecs import codec_class  # late import: the codecs import this module
-
-    cls = codec_class(packet.codec)
+    cls = registry.by_name(packet.codec)
     layout = cls.layout(packet.numel, packet.dtype, packet.params)
     names = [s.name for s in layout]
     if list(packet.sections) != names:
@@ -185,7 +182,7 @@ def _check_numel(numel: int, total: int, max_numel: int) -> None:
 
 def _parse_head(
     data: torch.Tensor, expect: Expect | None = None, max_numel: int = MAX_NUMEL
-) -> tuple[type[Codec], torch.dtype, int, int, tuple[int, int], list[Section]]:
+) -> tuple[type[WireCodec], torch.dtype, int, int, tuple[int, int], list[Section]]:
     """Validate a packet's header and section table; return what they say.
 
     Returns ``(codec class, dtype, numel, seed, params, layout)`` with the layout's variable
@@ -193,8 +190,6 @@ def _parse_head(
     ``expect`` the header must say exactly that, checked before any size is computed from it;
     without, ``numel`` is bounded as the module docstring says.
     """
-    from ..codecs import codec_class_by_id  # late import: the codecs import this module
-
     total = data.numel()
     if total < HEADER_NBYTES:
         raise WireError(f"truncated: the header needs {HEADER_NBYTES} bytes, got {total}")
@@ -204,7 +199,7 @@ def _parse_head(
         raise WireError(f"magic: expected {MAGIC!r}, got {magic!r}")
     if version != VERSION:
         raise WireError(f"version: unsupported wire version {version} (this build reads {VERSION})")
-    cls = codec_class_by_id(codec_id)
+    cls = registry.by_id(codec_id)
     if cls is None:
         raise WireError(f"codec_id: unknown codec id {codec_id}")
     dtype = _DTYPE_BY_CODE.get(dtype_code)

@@ -30,16 +30,13 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import CodecError, WireError
 from .format import Expect, read_packet, to_bytes
 from .packet import Packet
-
-if TYPE_CHECKING:
-    from ..codecs.base import Codec
+from .registry import WireCodec
 
 FRAME_MAGIC = b"CPFR"
 _FRAME_HEAD = struct.Struct("<4sI")
@@ -71,7 +68,7 @@ class FrameLayout:
 
     def __init__(
         self,
-        entries: Sequence[tuple[Hashable, Codec, int]],
+        entries: Sequence[tuple[Hashable, WireCodec, int]],
         dtype: torch.dtype,
         *,
         flags: bool = True,

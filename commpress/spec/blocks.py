@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from ..errors import NonFiniteError
-from .base import compute_dtype
+from .numerics import compute_dtype
 
 
 def corrected_input(

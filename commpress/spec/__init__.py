@@ -1,0 +1,11 @@
+"""The specifications every kernel backend matches: pure torch, no kernels, no codecs.
+
+- :mod:`.numerics`: the dtype of codec arithmetic, the fixed summation order (``tree_sum``),
+  the correctly rounded square root, the finiteness test;
+- :mod:`.bitpack`: LSB-first bit-field packing; :mod:`.varlen`: Elias-gamma coding of levels;
+- :mod:`.blocks`: what the block codecs' references share (fused error feedback, per-block decode);
+- :mod:`.sign`, :mod:`.qsgd`, :mod:`.topk`, :mod:`.randomk`: each codec's reference encode/decode,
+  the ``reference`` backend of :mod:`commpress.kernels` and what native, numba and CuPy are tested against.
+
+Imports point down only: to :mod:`commpress.rng`, :mod:`commpress.dtypes` and :mod:`commpress.errors`.
+"""
