@@ -5,7 +5,7 @@ registration per argument, to measure what each option buys.
 
 Each argument is ``codec|hook options as JSON|optimizer momentum``: codec ``dense`` registers nothing;
 ``"_opt": true`` passes the optimizer (``optimizer=opt``); a negative momentum uses
-``AdamW(lr=1e-3, weight_decay=0.01)`` instead of ``SGD(lr=0.1, momentum=...)``. ``GUARD_DEBUG=1``
+``AdamW(lr=1e-3, weight_decay=0.01)`` instead of ``SGD(lr=0.1, momentum=...)``. ``SEED=k`` changes the model initialisation (the split stays); ``GUARD_DEBUG=1``
 logs the divergence guard's ratio on rank 0. Prints held-out accuracy, the loss per epoch and the guard's
 counters.
 """
@@ -45,7 +45,7 @@ def worker(rank: int, world: int, port: int, name: str, kw: dict[str, Any], mom:
         logging.basicConfig(level=logging.DEBUG, format="%(message)s")
     dist.init_process_group("gloo", rank=rank, world_size=world)
     xtr, ytr, xte, yte = digits(rank, world)
-    torch.manual_seed(0)
+    torch.manual_seed(int(os.environ.get("SEED", "0")))  # the model init; SEED=1,2,... for the spread
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
     ddp = DDP(model, bucket_cap_mb=1)
     if mom >= 0:

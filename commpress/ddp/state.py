@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from .. import comm
 from .. import options as opts
-from ..codecs import Bf16Codec, Codec, Fp16Codec, NoneCodec
+from ..codecs import Codec
 from ..comm import CommStats, check_algorithm
 from ..comm.agreement import check_same_config
 from ..comm.driver import FaultChannel
@@ -215,7 +215,7 @@ class CompressionState(DDPCheckpoint):
     @property
     def uses_feedback(self) -> bool:
         """True when residuals are kept (error feedback on, and a codec that drops something)."""
-        return self.error_feedback and not isinstance(self.codec, (NoneCodec, Fp16Codec, Bf16Codec))
+        return self.error_feedback and not self.codec.lossless
 
     @property
     def warmup_steps(self) -> int:

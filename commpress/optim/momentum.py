@@ -23,9 +23,10 @@ from typing import Any
 
 import torch
 
+from ..checks import check_loaded_tensor
 from ..codecs.base import all_finite
 from ..comm import Piece
-from ..feedback import MAX_PLAUSIBLE_ABS, ErrorFeedback, residual_dtype
+from ..feedback import ErrorFeedback, residual_dtype
 
 
 @dataclass(frozen=True)
@@ -170,10 +171,7 @@ class MomentumCorrection:
             numel = numels.get(name)
             if numel is None or not isinstance(v, torch.Tensor) or v.dim() != 1 or v.numel() != numel:
                 raise ValueError(f"velocity {name!r} does not match a parameter of this model")
-            if v.dtype not in (torch.float32, torch.float64) or not bool(torch.isfinite(v).all()):
-                raise ValueError(f"velocity {name!r} must be a finite float32/float64 tensor")
-            if v.numel() and float(v.abs().max()) > MAX_PLAUSIBLE_ABS:
-                raise ValueError(f"velocity {name!r} holds {float(v.abs().max()):.3g}, beyond {MAX_PLAUSIBLE_ABS:g}")
+            check_loaded_tensor(v, f"velocity {name!r}")
             velocity[name] = v.detach().clone()
         return velocity
 
