@@ -85,7 +85,7 @@ from ..comm.costmodel import (
     predict,
     wire_time,
 )
-from ..comm.driver import wait
+from ..comm.faults import wait
 from ..errors import CodecError
 from .optim import adam_unsupported, is_adam_like, is_sgd_like
 from .planning import BucketPlan

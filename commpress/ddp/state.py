@@ -15,7 +15,7 @@ from ..codecs import Bf16Codec, Codec, Fp16Codec, NoneCodec
 from ..codecs.base import all_finite
 from ..comm import CommStats, check_algorithm
 from ..comm.agreement import check_same_config
-from ..comm.driver import FaultChannel, wait
+from ..comm.faults import FaultChannel, wait
 from ..errors import CodecError
 from ..feedback import MAX_PLAUSIBLE_ABS, ErrorFeedback, check_state_header, residual_dtype
 from ..rng import derive_seed
