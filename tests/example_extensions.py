@@ -13,6 +13,7 @@ Registering both is one line each (``codecs.register``, ``comm.register``), in `
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -20,12 +21,20 @@ import torch.distributed as dist
 
 from commpress import codecs, comm
 from commpress.codecs import Codec
-from commpress.comm.driver import Algorithm, Piece, StepContext, all_gather_single, decode_add
+from commpress.comm.driver import (
+    Algorithm,
+    Entry,
+    Part,
+    Piece,
+    StepContext,
+    all_gather_single,
+    empty_plan,
+    frame_layout,
+)
 from commpress.comm.twophase import piece_bounds, piece_key
 from commpress.dtypes import accumulate_dtype
 from commpress.errors import WireError
 from commpress.rng import derive_seed
-from commpress.wire.frame import FrameLayout
 from commpress.wire.packet import Packet, Section
 
 
@@ -79,40 +88,42 @@ class ScatterThenDense(Algorithm):
         return [Piece(piece_key(name, j), lo, hi, (hi - lo,))
                 for j, (lo, hi) in enumerate(piece_bounds(numel, world_size, codec.block_alignment()))]
 
+    def wire_plan(self, entries: Sequence[Entry], codec: Codec, n: int, dtype: torch.dtype) -> dict[str, float]:
+        """All compressed pieces all_to_all'd, the largest dense piece all-gathered; one decode."""
+        bounds = [piece_bounds(e.numel, n, codec.block_alignment()) for e in entries]
+        layouts = [frame_layout([Entry(b[j][1] - b[j][0], e.compressed) for e, b in zip(entries, bounds)], codec, dtype)
+                   for j in range(n)]
+        width = max(sum(b[j][1] - b[j][0] for b in bounds) for j in range(n))
+        size = torch.empty((), dtype=accumulate_dtype(dtype)).element_size()
+        return {**empty_plan(), "alltoall": sum(lay.nbytes for lay in layouts), "allgather": width * size}
+
     def launch(self, ctx: StepContext, server_feedback: Any) -> torch.futures.Future[torch.Tensor]:
         """Phase 1 compressed and waited for; phase 2 dense; the future copies pieces back."""
         n, r, slots = ctx.n, ctx.rank, ctx.slots
         bounds = [piece_bounds(s.numel, n, s.codec.block_alignment()) for s in slots]
-        layouts = [FrameLayout([(piece_key(s.key, j), s.codec, b[j][1] - b[j][0]) for s, b in zip(slots, bounds)],
-                               ctx.flat.dtype) for j in range(n)]
-        frames = [[None] * len(slots) for _ in range(n)]
-        for i, (s, b) in enumerate(zip(slots, bounds)):
-            for j, (lo, hi) in enumerate(b):
-                frames[j][i] = ctx.compress(i, None if s.dense else s.feedback, s.codec, piece_key(s.key, j),
-                                            ctx.view(i)[lo:hi], derive_seed(s.seed, 7, j, r))
-        send = torch.cat([lay.pack(frames[j], device=ctx.device) for j, lay in enumerate(layouts)])
-        recv = torch.empty(n * layouts[r].nbytes, dtype=torch.uint8, device=ctx.device)
-        dist.all_to_all_single(recv, send, [layouts[r].nbytes] * n, [lay.nbytes for lay in layouts], group=ctx.group)
+        enc = ctx.encode_frames([[Part(i, *b[j], piece_key(s.key, j), derive_seed(s.seed, 7, j, r))
+                                  for i, (s, b) in enumerate(zip(slots, bounds))] for j in range(n)])
+        mine = enc.layouts[r]
+        recv = torch.empty(n * mine.nbytes, dtype=torch.uint8, device=ctx.device)
+        ctx.wait(dist.all_to_all_single(recv, enc.send, [mine.nbytes] * n, enc.sizes, group=ctx.group, async_op=True))
         sizes = [b[r][1] - b[r][0] for b in bounds]
         width = max(sum(b[j][1] - b[j][0] for b in bounds) for j in range(n))
-        mine = torch.zeros(width, dtype=accumulate_dtype(ctx.flat.dtype), device=ctx.device)
+        acc = torch.zeros(width, dtype=accumulate_dtype(ctx.flat.dtype), device=ctx.device)
         off = [sum(sizes[:i]) for i in range(len(sizes))]
-        for j in range(n):
-            for i, p in enumerate(layouts[r].unpack(recv[j * layouts[r].nbytes : (j + 1) * layouts[r].nbytes], j)):
-                if p is None:  # some rank's input was not finite: every rank will see NaN here
-                    mine[off[i] : off[i] + sizes[i]] = float("nan")
-                elif p.numel:
-                    decode_add(slots[i].codec, p, mine[off[i] : off[i] + sizes[i]])
-        mine.div_(n)
-        gathered = torch.empty(n * width, dtype=mine.dtype, device=ctx.device)
-        ctx.count(collectives=2, bytes_sent=send.numel() + width * mine.element_size(), encode_s=ctx.lap())
-        work = all_gather_single(gathered, mine, group=ctx.group, async_op=True)
+        bad = ctx.decode_frames(recv, [mine] * n, lambda j, i: acc[off[i] : off[i] + sizes[i]])
+        for i in range(len(slots)):
+            if bad[i]:  # some rank's input was not finite: every rank will see NaN here
+                acc[off[i] : off[i] + sizes[i]] = float("nan")
+        acc.div_(n)
+        gathered = torch.empty(n * width, dtype=acc.dtype, device=ctx.device)
+        ctx.count(collectives=2, bytes_sent=enc.send.numel() + width * acc.element_size(), encode_s=ctx.lap())
+        work = all_gather_single(gathered, acc, group=ctx.group, async_op=True)
 
         def decode() -> list[bool]:
             bad = [False] * len(slots)
             for j in range(n):
                 o = j * width
-                for i, s in enumerate(slots):
+                for i in range(len(slots)):
                     lo, hi = bounds[i][j]
                     piece = gathered[o : o + hi - lo]
                     o += hi - lo

@@ -13,10 +13,15 @@ algorithm         what it does                                                  
                   frames in rank order, accumulates and averages                    and qsgd at 2)
 ``twophase``      compressed all-reduce: all_to_all of pieces, average, re-encode   reencodable:
                   with server-side error feedback, all_gather                       sign, qsgd
+``reducescatter`` all_to_all of the other ranks' chunks, each rank averages its own  any (FSDP:
+                  (ends in a shard, :attr:`~.driver.Algorithm.shards`;              ``output=``)
+                  ``reducescatter-dense``: torch's own, for ``none``)
 ================  ===============================================================  ==============
 
-Adding an algorithm is one file with an :class:`~.driver.Algorithm` subclass and one line in
-:data:`ALGORITHMS`. Seeds are never drawn from torch's global RNG: the caller gives each slot a
+Adding an algorithm is one file with an :class:`~.driver.Algorithm` subclass (built on the
+driver's frame helpers, stating its own bytes in ``wire_plan``) and one line in
+:data:`ALGORITHMS`. Around them: :mod:`.faults` (a failure on one rank is every rank's error),
+:mod:`.store` (the process group's store), :mod:`.stats`, :mod:`.agreement`, :mod:`.costmodel`. Seeds are never drawn from torch's global RNG: the caller gives each slot a
 seed all ranks agree on, and algorithms derive per-rank/piece/phase seeds with
 :func:`commpress.rng.derive_seed`.
 """
@@ -34,11 +39,15 @@ from ..errors import CodecError
 from ..feedback import ErrorFeedback
 from .allgather import AllGather
 from .allreduce import AllReduce, allreduce_mean
-from .driver import Algorithm, CommStats, Piece, Slot, StepContext, all_gather_single, check_slots
+from .driver import Algorithm, Piece, Slot, StepContext, check_slots
+from .reducescatter import DenseReduceScatter, ReduceScatter
+from .stats import CommStats
+from .store import all_gather_single
 from .twophase import TwoPhase, piece_bounds, piece_key
 
 #: name -> algorithm; one line per algorithm.
-ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (AllReduce(), AllGather(), TwoPhase())}
+ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (AllReduce(), AllGather(), TwoPhase(), ReduceScatter(),
+                                                         DenseReduceScatter())}
 
 
 def register(algorithm: Algorithm) -> Algorithm:
@@ -107,7 +116,10 @@ def check_algorithm(algorithm: str, codec: Codec, world_size: int = 0) -> str:
     """Resolve ``"auto"`` and reject algorithms a codec cannot run with (:class:`CodecError`)."""
     if algorithm == "auto":
         return default_algorithm(codec, world_size)
-    get(algorithm).check(codec)
+    chosen = get(algorithm)
+    if chosen.shards:
+        raise CodecError(f"algorithm {algorithm!r} ends in a shard (FSDP's reduce-scatter), not in every rank's average")
+    chosen.check(codec)
     return algorithm
 
 
@@ -119,9 +131,18 @@ def run(
     group: Any = None,
     server_feedback: ErrorFeedback | None = None,
     stats: CommStats | None = None,
+    output: torch.Tensor | None = None,
+    average: bool = True,
 ) -> torch.futures.Future[torch.Tensor]:
-    """Reduce ``buffer`` (averaged, in place) with one algorithm; the future completes it."""
-    return get(algorithm).launch(StepContext(buffer, slots, group, stats), server_feedback)
+    """Reduce ``buffer`` (averaged, in place) with one algorithm; the future completes it.
+
+    An algorithm that ends in a shard (:attr:`~.driver.Algorithm.shards`: ``reducescatter``)
+    writes this rank's part into ``output`` instead (summed, not averaged, without ``average``).
+    """
+    chosen = get(algorithm)
+    if chosen.shards != (output is not None):
+        raise CodecError(f"algorithm {algorithm!r} {'needs' if chosen.shards else 'takes no'} output= tensor")
+    return chosen.launch(StepContext(buffer, slots, group, stats, output=output, average=average), server_feedback)
 
 
 __all__ = [

@@ -23,26 +23,11 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigurationError
-from .driver import all_gather_single
+from .store import all_gather_single, group_name, store_of
 
 #: per process group: how many agreements it has run, so that the n-th registration on one
 #: rank meets the n-th on every other rank (keys are never reused within a job).
 _rounds: dict[str, int] = {}
-
-
-def _store_of(group: Any) -> Any:
-    """The process group's store, or None where this torch does not expose it."""
-    try:
-        from torch.distributed.distributed_c10d import _get_process_group_store
-        pg = group if group is not None else dist.group.WORLD
-        return _get_process_group_store(pg) if pg is not None else None
-    except (ImportError, KeyError, AttributeError):
-        return None
-
-
-def _group_name(group: Any) -> str:
-    pg = group if group is not None else dist.group.WORLD
-    return str(getattr(pg, "group_name", "") or "default")
 
 
 def config_digest(config: Any) -> str:
@@ -61,11 +46,11 @@ def check_same_config(
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     digest = config_digest(config)
-    store = _store_of(group)
+    store = store_of(group)
     if store is None:  # fall back to a collective (bounded by the process group's timeout)
         _check_by_collective(digest, rank, world, group, what)
         return
-    name = _group_name(group)
+    name = group_name(group)
     round_ = _rounds.get(name, 0)
     _rounds[name] = round_ + 1
     keys = [f"commpress/agree/{round_}/{r}" for r in range(world)]

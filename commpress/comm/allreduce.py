@@ -9,6 +9,7 @@ all-reduced (dense slots travel whole). One all-reduce per buffer.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -18,7 +19,9 @@ from ..codecs import Codec
 from ..codecs.base import all_finite
 from ..errors import CodecError
 from ..feedback import ErrorFeedback
-from .driver import Algorithm, CommStats, StepContext, dense_accounting, then
+from .driver import Algorithm, Entry, StepContext, empty_plan
+from .faults import then
+from .stats import CommStats, dense_accounting
 
 
 def allreduce_mean(
@@ -104,6 +107,13 @@ class AllReduce(Algorithm):
                 f"algorithm 'allreduce' sums values directly and needs a codec whose values add up "
                 f"(none, fp16, bf16, randomk with a shared seed); {codec.name!r} cannot"
             )
+
+    def wire_plan(self, entries: Sequence[Entry], codec: Codec, n: int, dtype: torch.dtype) -> dict[str, float]:
+        """One all-reduce: of the compressed entries' summable values and the dense ones whole."""
+        size = torch.empty((), dtype=dtype).element_size()
+        return {**empty_plan(), "allreduce": size * sum(
+            codec.wire_params(e.numel)[0] if e.compressed else e.numel for e in entries
+        )}
 
     def launch(self, ctx: StepContext, server_feedback: ErrorFeedback | None) -> torch.futures.Future[torch.Tensor]:
         """Dispatch to the cast form or the shared-seed form (the codecs are the same per buffer)."""

@@ -52,12 +52,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..codecs import Codec, NoneCodec
+from ..codecs import Codec
 from ..codecs.base import all_finite
 from ..errors import CodecError
 from ..feedback import ErrorFeedback
-from ..wire.frame import FrameLayout
-from .twophase import piece_bounds
+from .driver import Entry, Slot
 
 #: The options a buffer can be reduced with, in the order ties are broken (cheapest to run first).
 OPTIONS = ("dense", "fp16", "compressed")
@@ -127,47 +126,20 @@ class DeviceCost:
                 raise CodecError(f"device cost {name} must be a finite number >= 0, got {v!r}")
 
 
-@dataclass(frozen=True)
-class Entry:
-    """One tensor of a buffer: ``numel`` elements, compressed by the codec or sent dense."""
-
-    numel: int
-    compressed: bool
-
-
 def compressed_plan(
     entries: Sequence[Entry], codec: Codec, algorithm: str, n: int, dtype: torch.dtype = torch.float32
 ) -> dict[str, float]:
     """Bytes each collective of ``algorithm`` hands over per rank, and decodes per element.
 
     Returns ``{"allreduce": B, "allgather": B, "alltoall": B, "decodes": k}`` (absent
-    collectives 0), computed from the same frame layouts the algorithms build.
+    collectives 0): what the algorithm states of itself (:meth:`~.driver.Algorithm.wire_plan`),
+    computed from the same frame layouts it builds.
     """
-    dense = NoneCodec()
-    size = torch.empty((), dtype=dtype).element_size()
-    out = {"allreduce": 0.0, "allgather": 0.0, "alltoall": 0.0, "decodes": 1.0}
-    if algorithm == "allgather":
-        out["allgather"] = FrameLayout(
-            [(i, codec if e.compressed else dense, e.numel) for i, e in enumerate(entries)], dtype
-        ).nbytes
-        out["decodes"] = float(n)
-    elif algorithm == "twophase":
-        bounds = [piece_bounds(e.numel, n, codec.block_alignment()) for e in entries]
-        layouts = [
-            FrameLayout([(i, codec if e.compressed else dense, b[j][1] - b[j][0])
-                         for i, (e, b) in enumerate(zip(entries, bounds))], dtype)
-            for j in range(n)
-        ]
-        out["alltoall"] = sum(lay.nbytes for lay in layouts)
-        out["allgather"] = max(lay.nbytes for lay in layouts)
-        out["decodes"] = 2.0
-    elif algorithm == "allreduce":
-        out["allreduce"] = size * sum(
-            codec.wire_params(e.numel)[0] if e.compressed else e.numel for e in entries
-        )
-    else:
-        raise CodecError(f"the cost model knows algorithms allgather, twophase and allreduce, not {algorithm!r}")
-    return out
+    from . import ALGORITHMS  # the package imports this module's users, not the other way round
+
+    if algorithm not in ALGORITHMS:
+        raise CodecError(f"the cost model prices the registered algorithms ({', '.join(ALGORITHMS)}), not {algorithm!r}")
+    return ALGORITHMS[algorithm].wire_plan(entries, codec, n, dtype)
 
 
 def wire_time(link: Link, plan: dict[str, float], n: int) -> float:
@@ -329,7 +301,6 @@ def calibrate_compressed(
     compressed steps of the 17M MLP. MAX over ranks (a collective: every rank calls it).
     """
     from . import run  # the package imports this module's users, not the other way round
-    from .driver import Slot
 
     n = dist.get_world_size(group)
     side = max(1, math.isqrt(numel))

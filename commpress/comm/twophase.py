@@ -19,19 +19,27 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..codecs import Codec
-from ..codecs.base import all_finite
 from ..dtypes import accumulate_dtype
 from ..errors import CodecError
 from ..feedback import ErrorFeedback
 from ..rng import derive_seed
-from ..wire.frame import FrameLayout
 from ..wire.packet import Packet
-from .driver import Algorithm, Piece, StepContext, all_gather_single, decode_add
+from .driver import (
+    Algorithm,
+    Entry,
+    Part,
+    Piece,
+    StepContext,
+    all_gather_single,
+    empty_plan,
+    frame_layout,
+)
 
 #: Phase tags mixed into derived seeds.
 PHASE_SCATTER = 2
@@ -70,44 +78,31 @@ class TwoPhase(Algorithm):
         """The piece this rank averages and re-encodes."""
         return [self.residual_layout(name, shape, codec, world_size)[rank]]
 
+    def wire_plan(self, entries: Sequence[Entry], codec: Codec, n: int, dtype: torch.dtype) -> dict[str, float]:
+        """All pieces all_to_all'd, the largest piece frame all-gathered; two decodes per element."""
+        bounds = [piece_bounds(e.numel, n, codec.block_alignment()) for e in entries]
+        layouts = [frame_layout([Entry(b[j][1] - b[j][0], e.compressed) for e, b in zip(entries, bounds)], codec, dtype)
+                   for j in range(n)]
+        return {**empty_plan(), "alltoall": sum(lay.nbytes for lay in layouts),
+                "allgather": max(lay.nbytes for lay in layouts), "decodes": 2.0}
+
     def launch(self, ctx: StepContext, server_feedback: ErrorFeedback | None) -> torch.futures.Future[torch.Tensor]:
         """Phase 1 (waited for), server re-encode, phase 2; the future decodes."""
         n, r, slots = ctx.n, ctx.rank, ctx.slots
         t0 = time.perf_counter()
         bounds = [piece_bounds(s.numel, n, s.codec.block_alignment()) for s in slots]
-        layouts = [
-            FrameLayout([(piece_key(s.key, j), s.codec, b[j][1] - b[j][0]) for s, b in zip(slots, bounds)],
-                        ctx.flat.dtype)
-            for j in range(n)
-        ]
         # Step 1: encode every piece; a slot that fails anywhere is flagged in every frame.
-        pieces: list[list[Packet | None]] = [[None] * len(slots) for _ in range(n)]
-        for i, (s, b) in enumerate(zip(slots, bounds)):
-            x = ctx.view(i)
-            if not all_finite(x):
-                continue  # all pieces stay None; residuals untouched
-            fb = None if s.dense else s.feedback
-            encoded = [
-                ctx.compress(i, fb, s.codec, piece_key(s.key, j), x[lo:hi], derive_seed(s.seed, PHASE_SCATTER, j, r))
-                for j, (lo, hi) in enumerate(b)
-            ]
-            if all(p is not None for p in encoded):
-                for j in range(n):
-                    pieces[j][i] = encoded[j]
-        local_bad = sum(pieces[0][i] is None for i in range(len(slots)))
-        send = torch.empty(sum(lay.nbytes for lay in layouts), dtype=torch.uint8, device=ctx.device)
-        off = 0
-        for j, lay in enumerate(layouts):
-            lay.pack(pieces[j], out=send[off : off + lay.nbytes])
-            off += lay.nbytes
-        mine = layouts[r]
+        enc = ctx.encode_frames([
+            [Part(i, *b[j], piece_key(s.key, j), derive_seed(s.seed, PHASE_SCATTER, j, r))
+             for i, (s, b) in enumerate(zip(slots, bounds))]
+            for j in range(n)
+        ], precheck=True)
+        layouts, mine = enc.layouts, enc.layouts[r]
         recv = torch.empty(n * mine.nbytes, dtype=torch.uint8, device=ctx.device)
         t1 = time.perf_counter()
         # Step 2: phase 1, waited for on this thread.
-        work = dist.all_to_all_single(
-            recv, send, output_split_sizes=[mine.nbytes] * n,
-            input_split_sizes=[lay.nbytes for lay in layouts], group=ctx.group, async_op=True,
-        )
+        work = dist.all_to_all_single(recv, enc.send, output_split_sizes=[mine.nbytes] * n,
+                                      input_split_sizes=enc.sizes, group=ctx.group, async_op=True)
         assert work is not None
         ctx.wait(work)  # raises at once when another rank failed
         t2 = time.perf_counter()
@@ -115,15 +110,8 @@ class TwoPhase(Algorithm):
         sizes = [b[r][1] - b[r][0] for b in bounds]
         acc_offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         acc = torch.empty(sum(sizes), dtype=accumulate_dtype(ctx.flat.dtype), device=ctx.device)
-        bad = [False] * len(slots)
         try:
-            for j in range(n):
-                frame = mine.unpack(recv[j * mine.nbytes : (j + 1) * mine.nbytes], source=j)
-                for i, p in enumerate(frame):
-                    if p is None:
-                        bad[i] = True
-                    elif p.numel:
-                        decode_add(slots[i].codec, p, acc[acc_offsets[i] : acc_offsets[i] + p.numel], first=j == 0)
+            bad = ctx.decode_frames(recv, [mine] * n, lambda j, i: acc[acc_offsets[i] : acc_offsets[i] + sizes[i]])
         except Exception as exc:  # the others are about to wait for phase 2: tell them
             raise ctx.failed(exc) from exc
         acc.div_(n)
@@ -144,25 +132,17 @@ class TwoPhase(Algorithm):
         send2[mine.nbytes :].zero_()
         recv2 = torch.empty(n * width, dtype=torch.uint8, device=ctx.device)
         t4 = time.perf_counter()
-        to_others = sum(lay.nbytes for j, lay in enumerate(layouts) if j != r)
-        ctx.count(collectives=2, bytes_sent=send.numel() + width, bytes_wire=to_others + (n - 1) * width,
-                  encode_s=(t1 - t0) + (t4 - t3), decode_s=t3 - t2, wait_s=t2 - t1, nonfinite_local=local_bad)
+        to_others = sum(size for j, size in enumerate(enc.sizes) if j != r)
+        ctx.count(collectives=2, bytes_sent=enc.send.numel() + width, bytes_wire=to_others + (n - 1) * width,
+                  encode_s=(t1 - t0) + (t4 - t3), decode_s=t3 - t2, wait_s=t2 - t1, nonfinite_local=sum(enc.bad))
         # Step 4: phase 2, issued from this thread right after phase 1.
         work2 = all_gather_single(recv2, send2, group=ctx.group, async_op=True)
 
-        def decode() -> list[bool]:
-            bad2 = [False] * len(slots)
-            for j, lay in enumerate(layouts):
-                frame = lay.unpack(recv2[j * width : j * width + lay.nbytes], source=j)
-                for i, (s, p) in enumerate(zip(slots, frame)):
-                    if p is None:
-                        bad2[i] = True
-                    elif p.numel:
-                        lo, hi = bounds[i][j]
-                        s.codec.decode(p, out=ctx.flat[s.offset + lo : s.offset + hi])
-            return bad2
+        def into(j: int, i: int) -> torch.Tensor:
+            lo, hi = bounds[i][j]
+            return ctx.view(i)[lo:hi]
 
-        return ctx.finish(work2, decode)
+        return ctx.finish(work2, lambda: ctx.decode_frames(recv2, layouts, into, width=width, accumulate=False))
 
     def check(self, codec: Codec) -> None:
         """Any fixed-size codec."""

@@ -69,7 +69,7 @@ from ..comm.costmodel import (
     compressed_plan,
     predict,
 )
-from ..comm.driver import wait
+from ..comm.faults import wait
 from ..errors import CodecError
 from .candidate import SAFE_CANDIDATE, default_candidate
 from .planning import BucketPlan

@@ -31,7 +31,7 @@ def hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Futu
        (:mod:`commpress.optim.guard`); after the last bucket, let it decide and advance ``state.step``.
 
     A failure on this rank (bytes it cannot decode, an error in the steps above) is posted to
-    every rank (:class:`commpress.comm.driver.FaultChannel`): every rank raises
+    every rank (:class:`commpress.comm.faults.FaultChannel`): every rank raises
     :class:`~commpress.errors.RankFailedError` naming this rank, the step and the bucket
     within milliseconds, and keeps raising at every later step.
 

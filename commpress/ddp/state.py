@@ -14,7 +14,7 @@ from .. import options as opts
 from ..codecs import Codec
 from ..comm import CommStats, check_algorithm
 from ..comm.agreement import check_same_config
-from ..comm.driver import FaultChannel
+from ..comm.faults import FaultChannel
 from ..errors import CodecError
 from ..feedback import ErrorFeedback
 from ..optim import (

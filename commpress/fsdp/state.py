@@ -4,8 +4,8 @@ FSDP2 (``torch.distributed.fsdp.fully_shard``) reduce-scatters one flat gradient
 ``n`` chunks, chunk ``j`` holding rank ``j``'s (dim-0 padded) shard of each of the module's
 parameters in order. :meth:`FSDPModule.set_custom_reduce_scatter` lets a comm object replace
 that collective; this module installs one per FSDP module that runs
-:func:`commpress.comm.reducescatter.reduce_scatter` (``none`` calls FSDP's own
-``reduce_scatter_single``, so it is FSDP bit for bit).
+the ``reducescatter`` algorithm (:mod:`commpress.comm.reducescatter`) on the driver, inside
+the group's fault channel (``none`` runs FSDP's own ``reduce_scatter_single``: FSDP bit for bit).
 
 **Error-feedback memory per rank** (``d`` = parameters, ``n`` ranks). A rank compresses the
 ``n-1`` chunks it sends, so a biased codec's residuals cover ``(n-1)/n`` of the unsharded
@@ -33,11 +33,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from .. import checkpoint, codecs
+from .. import checkpoint, codecs, comm
 from ..codecs import Bf16Codec, Codec, Fp16Codec, NoneCodec
-from ..comm import CommStats, Slot, StepContext, piece_key, resolve_codec
+from ..comm import CommStats, Slot, piece_key, resolve_codec
 from ..comm.agreement import check_same_config
-from ..comm.reducescatter import reduce_scatter
+from ..comm.faults import FaultChannel
 from ..errors import CodecError, ConfigurationError
 from ..feedback import MAX_PLAUSIBLE_ABS, ErrorFeedback, check_state_header
 from ..rng import derive_seed
@@ -125,7 +125,7 @@ class FSDPCompressionState(checkpoint.StateFile):
     file_what = "commpress FSDP state"
     __slots__ = (
         "codec", "error_feedback", "residual_dtype", "seed", "world_size", "rank", "modules",
-        "feedback", "_low", "_stats", "_rule", "_group",
+        "feedback", "_low", "_stats", "_rule", "_group", "faults",
     )
 
     def __init__(
@@ -172,6 +172,7 @@ class FSDPCompressionState(checkpoint.StateFile):
         self.modules = self._plan(model)
         self.world_size = self.modules[0].world_size
         self.rank = dist.get_rank(self._group)
+        self.faults = FaultChannel.of(self._group)  # one rank's failure is every rank's error
         if error_feedback and self.codec.unbiased and not isinstance(self.codec, NoneCodec):
             logger.warning("commpress: error feedback with the unbiased codec %r may diverge", self.codec)
         self.feedback = self._new_feedback()
@@ -285,26 +286,28 @@ class FSDPCompressionState(checkpoint.StateFile):
         n = dist.get_world_size(group)
         if n != plan.world_size:
             raise ConfigurationError(f"module {plan.name!r}: reduce-scatter over {n} ranks, planned for {plan.world_size}")
-        if isinstance(self.codec, NoneCodec):
-            nbytes = (n - 1) * input.numel() * input.element_size() / n  # a ring, per rank
-            self._stats.add(buffers=1, collectives=1, bytes_sent=nbytes, bytes_wire=nbytes,
-                            dense_bytes=nbytes, dense_wire=nbytes)
-            plan.calls += 1
-            return dist.reduce_scatter_single(output, input, group=group, op=op, async_op=async_op)
-        if input.numel() != n * plan.chunk_numel:
+        if isinstance(self.codec, NoneCodec):  # FSDP's own reduce-scatter, through the driver (its accounting)
+            chunk = output.numel()
+            slots = [Slot(f"{plan.name}#{j}", j * chunk, (chunk,), self.codec) for j in range(n)]
+        elif input.numel() != n * plan.chunk_numel:
             raise ConfigurationError(
                 f"module {plan.name!r}: FSDP reduce-scatters {input.numel()} elements, its parameters make "
                 f"{n * plan.chunk_numel}; a parameter got no gradient this step: call "
                 "module.set_reduce_scatter_unused_params(True) so FSDP always sends every parameter"
             )
-        slots = self._slots(plan, n)
-        if self.feedback is not None and self.residual_dtype != torch.float32:
-            self._load_working_set(slots)
-        ctx = StepContext(input.view(-1), slots, group, None)
-        fut = reduce_scatter(ctx, output.view(-1), len(plan.params), average=average, stats=self._stats)
-        fut.wait()
-        if self.feedback is not None and self.residual_dtype != torch.float32:
-            self._store_working_set(slots)
+        else:
+            slots = self._slots(plan, n)
+        working_set = self.feedback is not None and self.residual_dtype != torch.float32
+        # a failure here is every rank's error; a rank waiting on a failed peer raises, never hangs
+        with self.faults.guarded(f"module {plan.name!r}, reduce-scatter {plan.calls}"):
+            if working_set:
+                self._load_working_set(slots)
+            algorithm = "reducescatter-dense" if isinstance(self.codec, NoneCodec) else "reducescatter"
+            fut = comm.run(algorithm, input.view(-1), slots, group=group, stats=self._stats,
+                           output=output.view(-1), average=average)
+            fut.wait()
+            if working_set:
+                self._store_working_set(slots)
         plan.calls += 1
         if async_op:
             return torch._C._distributed_c10d._create_work_from_future(fut)  # type: ignore[attr-defined]

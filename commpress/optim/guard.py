@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..comm.driver import wait
+from ..comm.faults import wait
 
 logger = logging.getLogger("commpress")
 

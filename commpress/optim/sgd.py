@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..comm.driver import FaultChannel, wait
+from ..comm.faults import FaultChannel, wait
 from ..feedback import residual_dtype
 from .momentum import MomentumCorrection, MomentumRule, as_velocity
 
