@@ -1,7 +1,7 @@
 """MPI transport tests written against a communicator ``COMM``.
 
 They pass serially (``COMM`` has one rank: every message goes to oneself) and on a ring of
-K ranks: ``mpirun -n K python tests/test_ps_transport.py`` runs them without pytest's
+K ranks: ``mpirun -n K python tests/ps/test_ps_transport.py`` runs them without pytest's
 start-up cost (tests/test_ps_mpi.py does), ``mpirun -n K python -m pytest ...`` works too.
 """
 

@@ -9,7 +9,7 @@ import torch
 
 from commpress.demo import workloads as wl
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_text_reader_windows_and_batches_are_deterministic():

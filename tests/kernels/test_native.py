@@ -28,7 +28,7 @@ from commpress.spec.bitpack import (
 
 import kernel_backends
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NATIVE_REASON = ops.load_native()
 
 # Lengths where packing goes wrong first: empty, partial first/last byte, byte boundaries

@@ -20,7 +20,7 @@ from commpress.errors import CodecError
 import ddp_workers as w
 import fsdp_workers as fw
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bad_options_raise_clear_errors() -> None:

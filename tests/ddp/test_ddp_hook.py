@@ -22,7 +22,7 @@ from commpress.rng import derive_seed
 
 import ddp_workers as w
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ----- single process: options and helpers --------------------------------------------------------

@@ -20,7 +20,7 @@ from commpress.ps import reference_train
 from commpress.ps.demos import digits_task
 
 MPIRUN = os.path.join(os.path.dirname(sys.executable), "mpirun")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
        "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
@@ -145,7 +145,7 @@ def test_bytelm_demo_runs():
 
 
 def test_transport_tests_pass_under_mpirun():
-    proc = mpirun(3, script=(os.path.join(ROOT, "tests", "test_ps_transport.py"),), timeout=180)
+    proc = mpirun(3, script=(os.path.join(ROOT, "tests", "ps", "test_ps_transport.py"),), timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("transport tests passed") == 3
 

@@ -26,8 +26,8 @@ from integration_workers import worker_gather
 pytest.importorskip("lightning")
 pytest.importorskip("accelerate")
 
-ROOT = Path(__file__).resolve().parents[1]
-WORKERS = Path(__file__).with_name("integration_workers.py")
+ROOT = Path(__file__).resolve().parents[2]
+WORKERS = Path(__file__).resolve().parents[1] / "integration_workers.py"
 
 
 def torchrun(framework: str, mode: str, out: Path, world: int = 2, timeout: float = 120.0) -> None:
