@@ -1,4 +1,4 @@
-"""A worked example of extending commpress: one new codec and one new algorithm, one file.
+"""A worked example of extending commpress: one new codec, one new algorithm and one optimizer mode, one file.
 
 - ``Int8Codec``: one fp32 scale (max |x| / 127) per tensor and int8 values rounded to nearest.
   Contractive (deterministic rounding), re-encodable, fixed size. Its pure-torch encode/decode
@@ -8,7 +8,13 @@
   compression instead of two, for twice the bytes of the second phase. No residual layout of its
   own beyond the pieces, no server residuals.
 
-Registering both is one line each (``codecs.register``, ``comm.register``), in ``install()``.
+- ``LocalGradientClip``: DGC's local gradient clipping as an optimizer mode: each rank clips
+  each parameter's gradient to ``max_norm`` before it is compressed; its state (how many clips)
+  is checkpointed and reported with the hook's. It needs no registry: pass it as
+  ``commpress.ddp.register(..., modes=[LocalGradientClip(1.0)])``.
+
+Registering the codec and the algorithm is one line each (``codecs.register``, ``comm.register``),
+in ``install()``.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from commpress.comm.driver import (
 from commpress.comm.twophase import piece_bounds, piece_key
 from commpress.dtypes import accumulate_dtype
 from commpress.errors import WireError
+from commpress.optim import OptimizerMode
 from commpress.rng import derive_seed
 from commpress.wire.packet import Packet, Section
 
@@ -132,6 +139,38 @@ class ScatterThenDense(Algorithm):
             return bad
 
         return ctx.finish(work, decode)
+
+
+class LocalGradientClip(OptimizerMode):
+    """Clip each parameter's local gradient to ``max_norm`` (L2) before it is reduced."""
+
+    name = "clip"
+
+    def __init__(self, max_norm: float) -> None:
+        self.max_norm = float(max_norm)
+        self.clipped = 0
+
+    def apply(self, param: str, grad: torch.Tensor, *, compressing: bool) -> None:
+        """Scale ``grad`` down to ``max_norm`` where it is longer (every step, dense ones too)."""
+        norm = float(torch.linalg.vector_norm(grad))
+        if norm > self.max_norm:
+            grad.mul_(self.max_norm / norm)
+            self.clipped += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """The clip count."""
+        return {"clipped": self.clipped}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the clip count (a non-negative int)."""
+        clipped = state.get("clipped")
+        if not isinstance(clipped, int) or clipped < 0:
+            raise ValueError(f"clip state: clipped must be an int >= 0, got {clipped!r}")
+        self.clipped = clipped
+
+    def stats(self) -> dict[str, float]:
+        """``clip_clipped`` in the hook's stats."""
+        return {"clipped": float(self.clipped)}
 
 
 def install() -> None:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -18,6 +20,7 @@ import commpress.optim
 from ddp_workers import (
     assert_all_ranks,
     assert_same_across_ranks,
+    batch,
     flat_params,
     make_ddp,
     train_step,
@@ -315,3 +318,37 @@ def worker_warmup_codec(rank: int, world: int) -> None:
             assert s["bytes_sent"] < s["dense_bytes"] / 3, s
         elif choice == "dense":
             assert s["bytes_sent"] == s["dense_bytes"], s
+
+
+def worker_example_mode(rank: int, world: int) -> None:
+    """The example optimizer mode (LocalGradientClip): each rank's gradients clipped before the average."""
+    import example_extensions
+
+    max_norm = 0.05
+    ref = make_ddp()
+    local = copy.deepcopy(ref.module)  # this rank's gradients, before any averaging
+    ddp = make_ddp()
+    opt = torch.optim.SGD(ddp.parameters(), lr=1.0)
+    mode = example_extensions.LocalGradientClip(max_norm)
+    state = commpress.ddp.register(ddp, "none", modes=[mode])
+    before = flat_params(ddp)
+    x, y = batch(rank, 0)
+    nn.functional.cross_entropy(local(x), y).backward()
+    expected = []
+    for p in local.parameters():
+        g = p.grad.detach().reshape(-1).clone()
+        norm = float(torch.linalg.vector_norm(g))
+        expected.append(g * (max_norm / norm) if norm > max_norm else g)
+    want = torch.cat(expected)
+    dist.all_reduce(want)
+    want /= world
+    train_step(ddp, opt, rank, 0)
+    moved = before - flat_params(ddp)
+    assert_all_ranks(torch.allclose(moved, want, atol=1e-6), f"clipped average differs by {float((moved - want).abs().max())}")
+    assert_all_ranks(mode.clipped > 0 and state.stats()["clip_clipped"] == mode.clipped, "clips not counted")
+    saved = state.state_dict()
+    assert_all_ranks(saved["modes"] == {"clip": {"clipped": mode.clipped}}, f"mode state not saved: {saved.get('modes')}")
+    fresh_mode = example_extensions.LocalGradientClip(max_norm)
+    fresh = commpress.ddp.register(make_ddp(), "none", modes=[fresh_mode])
+    fresh.load_state_dict(saved)
+    assert_all_ranks(fresh_mode.clipped == mode.clipped, "mode state not restored")

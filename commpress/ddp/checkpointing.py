@@ -17,7 +17,7 @@ from .. import checkpoint
 from ..codecs import Codec
 from ..comm import CommStats
 from ..feedback import check_state_header
-from ..optim import DivergenceGuard, MomentumCorrection, SGDHandover
+from ..optim import DivergenceGuard, MomentumCorrection, OptimizerMode, SGDHandover
 from .planning import ParamPlan
 from .residuals import ParamResiduals
 
@@ -29,7 +29,7 @@ class DDPCheckpoint(checkpoint.StateFile):
 
     __slots__ = (
         "codec", "algorithm", "error_feedback", "world_size", "rank", "seed", "step", "plans", "momentum",
-        "correction", "handover", "optimizer", "guard", "residuals", "_stats", "_stats_from_step",
+        "correction", "handover", "optimizer", "guard", "residuals", "modes", "_stats", "_stats_from_step",
     )
     codec: Codec
     algorithm: str
@@ -45,6 +45,7 @@ class DDPCheckpoint(checkpoint.StateFile):
     optimizer: torch.optim.Optimizer | None
     guard: DivergenceGuard
     residuals: ParamResiduals
+    modes: tuple[OptimizerMode, ...]
     _stats: CommStats
     _stats_from_step: int
 
@@ -75,6 +76,7 @@ class DDPCheckpoint(checkpoint.StateFile):
             "stats_from_step": self._stats_from_step,
             "feedback": None if self.residuals.worker is None else self.residuals.worker.state_dict(),
             "server_feedback": None if self.residuals.server is None else self.residuals.server.state_dict(),
+            **({"modes": {m.name: m.state_dict() for m in self.modes}} if self.modes else {}),
         }
 
 
@@ -156,8 +158,15 @@ class DDPCheckpoint(checkpoint.StateFile):
                 raise ValueError(f"{what}: checkpoint {'has' if saved_fb is not None else 'lacks'} it, this state does not agree")
             if fb is not None:
                 fb.load_state_dict(saved_fb)  # validates keys, shapes, dtypes, finiteness
+        if self.modes:
+            saved_modes = dict(saved.get("modes") or {})
+            if sorted(saved_modes) != sorted(m.name for m in self.modes):
+                raise ValueError(f"modes differ: checkpoint has {sorted(saved_modes)}, this state "
+                                 f"{sorted(m.name for m in self.modes)}")
         if "guard" in saved:
             self.guard.load(saved["guard"])
+        for mode in self.modes:
+            mode.load_state_dict(dict(saved_modes[mode.name]))
         self.residuals = fresh
         if self.handover is not None and self.handover.in_optimizer:
             self.handover.take(keep_velocity=True)  # the checkpoint's velocities are the momentum now: the hook applies it

@@ -56,8 +56,11 @@ def _reduce(state: CompressionState, bucket: dist.GradBucket, buffer: torch.Tens
         option = state.auto.choose(plan, bucket.index())
         if option == "compressed" and state.momentum_in_optimizer:
             option = "dense"  # decided mid-step: it compresses once the hook has the momentum back
+    compressing = warmup_codec is None and not dense and option in (None, "compressed")
     if state.momentum_rules and not state.momentum_in_optimizer:
-        state.apply_momentum(plan, buffer, compressing=warmup_codec is None and not dense and option in (None, "compressed"))
+        state.apply_momentum(plan, buffer, compressing=compressing)
+    if state.modes:  # the user's own optimizer modes (commpress.optim.OptimizerMode)
+        state.apply_modes(plan, buffer, compressing)
     if warmup_codec is not None:  # warm-up through an unbiased codec: no residuals to keep or flush
         seeds = [state.param_seed(p) for p in plan.params]
         fut = comm.run(

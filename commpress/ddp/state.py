@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -22,13 +23,11 @@ from ..optim import (
     FrozenVarianceAdam,
     MomentumCorrection,
     MomentumRule,
+    OptimizerMode,
     SGDHandover,
     Warmup,
-    adam_unsupported,
     adopt_adam,
-    has_momentum,
-    is_adam_like,
-    is_sgd_like,
+    optimizer_mode,
 )
 from ..rng import derive_seed
 from .auto import AutoInputs, AutoPolicy
@@ -74,20 +73,13 @@ class CompressionState(DDPCheckpoint):
         process_group: defaults to the DDP model's process group (else the default group).
         seed: base of every derived seed (per step, parameter, piece, phase); torch's global
             RNG is never used.
-        optimizer: the user's optimizer (recommended). With an SGD-like optimizer that uses
-            momentum and a codec with error feedback, its momentum moves into the hook (DGC
-            momentum correction, dampening and Nesterov as ``torch.optim.SGD`` defines them;
-            see :mod:`commpress.optim.sgd`): the group's ``momentum`` becomes 0 and the settings
-            live in ``group["commpress_momentum"]``, so optimizer checkpoints stay consistent.
-            Unbiased codecs without error feedback leave the optimizer untouched. Random-k with
-            Adam/AdamW runs but logs a warning: none of the update rules measured made it track
-            dense on the byte LM (``docs/benchmarks.md``, "Random-k with AdamW").
-        momentum: DGC's momentum correction by hand (Lin et al., 2018): the hook keeps a local
-            velocity ``u = momentum * u + g`` per parameter and compresses ``u`` (through error
-            feedback) instead of ``g``; use it with an optimizer *without* momentum, or pass
-            ``optimizer=`` instead. For dense parameters this is exactly SGD momentum on the
-            averaged gradient; for compressed ones it stops error feedback from replaying stale
-            momentum. 0 disables it.
+        optimizer: the user's optimizer (recommended). Where error feedback needs it, an SGD-like
+            optimizer's momentum moves into the hook (:mod:`commpress.optim.sgd`) and Adam/AdamW's
+            is compressed with its variance frozen after warm-up (:mod:`commpress.optim.adam`);
+            otherwise it runs untouched (:func:`commpress.optim.optimizer_mode` says which and why).
+        momentum: DGC's momentum correction by hand (Lin et al., 2018) for an optimizer *without*
+            momentum: a local velocity ``u = momentum * u + g`` per parameter is compressed
+            (through error feedback) instead of ``g`` (:mod:`commpress.optim.momentum`). 0: off.
         divergence_guard: watch ``||residuals|| / ||compressed input||`` every few steps and
             send dense for a while (flushing the residuals) when it runs away; ``True``
             (default) uses :class:`~commpress.optim.guard.DivergenceGuard`'s defaults, ``False``
@@ -96,15 +88,15 @@ class CompressionState(DDPCheckpoint):
             i.e. where top-k / random-k sent the value (DGC's momentum factor masking). ``None``
             (default): on for sparse codecs with Adam/AdamW passed as ``optimizer=`` (it lowered the
             byte LM's loss), off otherwise (on SGD digits it cost top-k 1% 0.8 accuracy points).
+        modes: optimizer modes of your own (:class:`~commpress.optim.OptimizerMode`), run in order
+            on each parameter's gradient before it is reduced, checkpointed and reported with the state.
         algorithm: ``"auto"`` (per codec, see :mod:`commpress.comm`), ``"allreduce"``,
             ``"allgather"`` or ``"twophase"``.
         verify: at construction, compare a digest of the configuration and model across ranks
-            (through the process group's store, no collective) so that ranks configured
-            differently fail with a :class:`~commpress.errors.ConfigurationError` naming what
-            differs, and a rank that never registers is named on every rank that did after
-            ``verify_timeout`` seconds (default 60), on gloo and NCCL alike. ``False`` defers the
-            same check to the first step's first bucket (mismatched ranks would otherwise crash
-            gloo or wait until the process group's timeout).
+            through the process group's store (no collective): ranks configured differently fail
+            with a :class:`~commpress.errors.ConfigurationError` naming what differs, and a rank that
+            never registers is named after ``verify_timeout`` seconds. ``False``: the same check at
+            the first bucket.
         verify_timeout: seconds to wait for every rank to register (see ``verify``).
         **codec_params: codec parameters when ``codec`` is a name (``ratio=0.01``).
 
@@ -139,6 +131,7 @@ class CompressionState(DDPCheckpoint):
         verify: bool = True,
         verify_timeout: float = VERIFY_TIMEOUT_S,
         divergence_guard: DivergenceGuard | bool = True,
+        modes: Sequence[OptimizerMode] = (),
         **codec_params: Any,
     ) -> None:
         auto = None
@@ -192,6 +185,9 @@ class CompressionState(DDPCheckpoint):
         if self.feedback is None:  # nothing to watch without residuals (the caller's object untouched)
             divergence_guard = dataclasses.replace(divergence_guard, threshold=0.0)
         self.guard = divergence_guard
+        self.modes = tuple(modes)
+        if not all(isinstance(m, OptimizerMode) for m in self.modes) or len({m.name for m in self.modes}) != len(self.modes):
+            raise CodecError(f"modes must be OptimizerMode objects with different names, got {modes!r}")
         self._bucket_plans: dict[tuple[int, ...], BucketPlan] = {}
         self._stats = CommStats()
         self._stats_from_step = 0  # the step the counters start at (a reset, or an old checkpoint)
@@ -276,6 +272,7 @@ class CompressionState(DDPCheckpoint):
             "momentum_rules": self.correction.rules_state(),
             "world_size": self.world_size,
             "auto": None if self.auto is None else self.auto.config(),
+            **({"modes": [m.name for m in self.modes]} if self.modes else {}),
             "params": [
                 [p.name, list(p.shape), str(p.dtype), p.compressed] for p in self.plans.values()
             ],
@@ -296,35 +293,18 @@ class CompressionState(DDPCheckpoint):
     def _adopt_optimizer(
         self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, masking: bool | None
     ) -> None:
-        """Take the optimizer's momentum into the hook where error feedback needs it; log why."""
-        if not self.uses_feedback:
-            if optimizer is not None:
-                logger.info("commpress: %r has no error feedback; the optimizer runs unchanged", self.codec)
-            return
-        if optimizer is None:
-            if not self.momentum:
-                logger.warning(
-                    "commpress: %r uses error feedback; pass optimizer=<your optimizer> to register() "
-                    "so that its momentum moves into the hook (DGC momentum correction). Error feedback "
-                    "feeding an optimizer's momentum converges worse (digits MLP, SGD momentum 0.9: "
-                    "sign 21.7%% accuracy, 97.5%% with optimizer=)", self.codec,
-                )
-            return
-        if is_adam_like(optimizer):
-            if self.momentum and adam_unsupported(optimizer) is None:
-                raise CodecError("pass either optimizer= (Adam's momentum moves into the hook) or momentum=, not both")
+        """Take the optimizer's momentum into the hook where error feedback needs it (:func:`optimizer_mode`)."""
+        mode = optimizer_mode(optimizer, self.codec, uses_feedback=self.uses_feedback, by_hand_momentum=self.momentum)
+        if mode == "adam":
+            assert optimizer is not None
             compressed = {id(p): (n, p.numel()) for n, p in module.named_parameters()
                           if n in self.plans and self.plans[n].compressed}
             self.adam, self.warmup.steps, masking = adopt_adam(optimizer, compressed, self.codec, self.warmup.steps,
                                                                masking)
             self.correction.masking = bool(masking)
+        if mode != "sgd":
             return
-        if not is_sgd_like(optimizer) or not has_momentum(optimizer):
-            logger.info("commpress: optimizer %s has no SGD momentum to take over; it runs unchanged",
-                        type(optimizer).__name__)
-            return
-        if self.momentum:
-            raise CodecError("pass either optimizer= (its momentum moves into the hook) or momentum=, not both")
+        assert optimizer is not None
         self.handover = SGDHandover(
             optimizer, {id(p): n for n, p in module.named_parameters() if n in self.plans}, self.correction,
             {n: (p.numel, p.dtype) for n, p in self.plans.items()}, group=self.process_group, faults=self.faults,
@@ -391,6 +371,12 @@ class CompressionState(DDPCheckpoint):
         for p, off in zip(plan.params, plan.offsets):
             self.correction.apply(p.name, buffer[off : off + p.numel], as_gain=compressing and self._momentum_as_gain(p))
 
+    def apply_modes(self, plan: BucketPlan, buffer: torch.Tensor, compressing: bool) -> None:
+        """Run the user's ``modes`` on each parameter's gradient view, in order (:class:`OptimizerMode`)."""
+        for mode in self.modes:
+            for p, off in zip(plan.params, plan.offsets):
+                mode.apply(p.name, buffer[off : off + p.numel], compressing=compressing)
+
     def _momentum_as_gain(self, plan: ParamPlan) -> bool:
         """True when ``plan``'s SGD momentum is a gain, not a velocity, on compressing steps (see above)."""
         return plan.compressed and self.codec.value_blind and self.adam is None
@@ -438,6 +424,8 @@ class CompressionState(DDPCheckpoint):
             s.update(self.auto.stats())
         if self.handover is not None:
             s.update(self.handover.stats())
+        for mode in self.modes:
+            s.update({f"{mode.name}_{k}": v for k, v in mode.stats().items()})
         return s
 
     def end_step(self, device: torch.device | str) -> None:
@@ -447,6 +435,8 @@ class CompressionState(DDPCheckpoint):
             self.guard.end_step(measured, self.process_group, device)
         if self.auto is not None:
             self.auto.end_step(self.step, device)
+        for mode in self.modes:
+            mode.end_step(self.step)
         self.step += 1
 
     def reset_stats(self) -> None:

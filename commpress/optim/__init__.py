@@ -7,10 +7,14 @@ checkpoint form and statistics; the divergence guard (:mod:`.guard`) is the temp
 - :mod:`.sgd`: the user's SGD momentum moved into the hook and handed back (:class:`SGDHandover`);
 - :mod:`.adam`: Adam/AdamW with compressed momentum and frozen variance (:class:`FrozenVarianceAdam`);
 - :mod:`.warmup`: dense or unbiased warm-up steps (:class:`Warmup`);
-- :mod:`.guard`: residual-to-input watch with dense fallback steps (:class:`DivergenceGuard`).
+- :mod:`.guard`: residual-to-input watch with dense fallback steps (:class:`DivergenceGuard`);
+- :mod:`.choice`: which of them drives the user's optimizer (:func:`optimizer_mode`);
+- :mod:`.base`: the contract of a mode a user adds (:class:`OptimizerMode`, ``modes=[...]``).
 """
 
 from .adam import FrozenVarianceAdam, adam_unsupported, adopt_adam, is_adam_like
+from .base import OptimizerMode
+from .choice import optimizer_mode
 from .guard import DivergenceGuard
 from .momentum import MomentumCorrection, MomentumRule, as_velocity, check_rule
 from .sgd import (
@@ -25,7 +29,7 @@ from .warmup import DEFAULT_WARMUP_CODEC, DEFAULT_WARMUP_STEPS, Warmup, resolve_
 
 __all__ = [
     "DEFAULT_WARMUP_CODEC", "DEFAULT_WARMUP_STEPS", "DivergenceGuard", "FrozenVarianceAdam", "GROUP_KEY",
-    "MomentumCorrection", "MomentumRule", "SGDHandover", "Warmup", "adam_unsupported", "adopt_adam", "as_velocity",
-    "check_rule", "give_back_momentum", "has_momentum", "is_adam_like", "is_sgd_like", "resolve_warmup_codec",
+    "MomentumCorrection", "MomentumRule", "OptimizerMode", "SGDHandover", "Warmup", "adam_unsupported", "adopt_adam", "as_velocity",
+    "check_rule", "give_back_momentum", "has_momentum", "is_adam_like", "is_sgd_like", "optimizer_mode", "resolve_warmup_codec",
     "take_over_momentum",
 ]

@@ -166,3 +166,8 @@ def test_a_codec_and_an_algorithm_added_in_one_file_each_train_like_dense(tmp_pa
         rel = float((params - dense).norm()) / moved
         # measured: int8 0.12 (allgather, scatter-dense) / 0.16 (twophase); sign 0.45; not moving: 1.0
         assert rel < (0.25 if key.startswith("int8") else 0.75), (key, rel)
+
+
+def test_an_optimizer_mode_added_in_one_file_runs_checkpoints_and_reports() -> None:
+    """tests/example_extensions.py's LocalGradientClip through ``modes=[...]``: no adapter change."""
+    w.launch(ow.worker_example_mode, 2, timeout=240)
