@@ -12,12 +12,12 @@ import importlib
 from types import ModuleType
 
 from . import codecs, feedback, wire
+from ._version import __version__ as __version__
 from .errors import CodecError, WireError
 from .feedback import ErrorFeedback
 from .info import info
 from .wire.packet import Packet
 
-__version__ = "0.1.0"
 __all__ = [
     "CodecError", "ErrorFeedback", "Packet", "WireError", "codecs", "comm", "ddp", "feedback", "fsdp", "integrations",
     "info", "ps", "wire",

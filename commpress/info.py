@@ -54,7 +54,7 @@ def info() -> dict[str, Any]:
     Never initialises CUDA: kernel availability is read from torch's dispatcher registry, so a
     CUDA build of the extension lists its CUDA kernels on a machine without a GPU.
     """
-    from . import __version__
+    from ._version import __version__
 
     reason = ops.load_native()
     native_ops = ops.native_ops()
