@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +38,16 @@ MATRIX_CASES: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
-def make_fsdp(seed: int = 0) -> Net:
-    """The DDP tests' Net with every Linear sharded, then the root (LayerNorm on the root)."""
+def make_fsdp(seed: int = 0, *, reshard_after_forward: bool = True) -> Net:
+    """The DDP tests' Net with every Linear sharded, then the root (LayerNorm on the root).
+
+    ``reshard_after_forward=False`` keeps the Linears' parameters gathered after forward, so a
+    backward pass issues reduce-scatters only (no FSDP all-gather between them).
+    """
     torch.manual_seed(seed)
     model = Net()
     for layer in (model.inp, model.h1, model.h2, model.h3, model.out):
-        fully_shard(layer)
+        fully_shard(layer, reshard_after_forward=reshard_after_forward)
     fully_shard(model)
     return model
 
@@ -52,9 +57,14 @@ def full_params(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().full_tensor().reshape(-1) for p in model.parameters()])  # type: ignore[operator]
 
 
-def train(model: nn.Module, rank: int, steps: range, *, poison: int = -1, lr: float = 0.05) -> None:
+def train(
+    model: nn.Module, rank: int, steps: range, *, poison: int = -1, lr: float = 0.05,
+    on_step: Callable[[int], None] | None = None,
+) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     for step in steps:
+        if on_step is not None:
+            on_step(step)
         x, y = batch(rank, step)
         if step == poison and rank == 0:
             x = x * float("inf")
@@ -152,6 +162,27 @@ def worker_checkpoint(rank: int, world: int, codec: str, opts: dict[str, Any]) -
         assert_all_ranks("rank mismatch" in str(exc), f"unclear error: {exc}")
     else:
         assert_all_ranks(False, "loading another rank's state did not raise")
+    _implausible_residuals_refused(resumed)
+
+
+def _implausible_residuals_refused(state: commpress.fsdp.FSDPCompressionState) -> None:
+    """A residual of the wrong shape or dtype, non-finite or implausibly large is refused, state untouched."""
+    good = state.state_dict()
+    if not good["residuals"]:
+        return
+    key, value = next(iter(good["residuals"].items()))
+    wrong_dtype = torch.float64 if value.dtype != torch.float64 else torch.float32
+    for bad, expect in ((value.reshape(1, -1), "must be a tensor of shape"), (value.to(wrong_dtype), "has dtype"),
+                        (torch.full_like(value, float("nan")), "NaN or Inf"), (torch.full_like(value, 1e30), "1e+30")):
+        hostile = {**good, "residuals": {**good["residuals"], key: bad}}
+        try:
+            state.load_state_dict(hostile)
+        except ValueError as exc:
+            assert_all_ranks(expect in str(exc) and repr(key) in str(exc), f"unclear error: {exc}")
+        else:
+            assert_all_ranks(False, f"an implausible residual ({expect}) was loaded")
+    after = state.residuals()
+    assert_all_ranks(all(torch.equal(after[k], v) for k, v in good["residuals"].items()), "a refused load changed state")
 
 
 def worker_checkpoints(rank: int, world: int) -> None:
@@ -171,3 +202,22 @@ def worker_misconfigured(rank: int, world: int) -> None:
     else:
         assert_all_ranks(False, "different configurations were not detected")
     dist.barrier()
+
+
+def case_corrupt(rank: int, victim: int, codec: str, opts: dict[str, Any]) -> None:
+    """Rank ``victim`` receives corrupt bytes in step 3's first reduce-scatter (of 10 steps).
+
+    A rank program for :func:`misuse_workers.launch` (tests/fsdp/test_fsdp_faults.py). The
+    parameters stay gathered after forward, so the other ranks' next collective is commpress's
+    next reduce-scatter (inside the fault channel), not an FSDP all-gather the channel cannot end.
+    """
+    from misuse_workers import _corrupt_received
+
+    model = make_fsdp(reshard_after_forward=False)
+    commpress.fsdp.register(model, codec, **opts)
+    armed = _corrupt_received(victim)
+
+    def on_step(step: int) -> None:
+        armed[0] = armed[0] or step == 3
+
+    train(model, rank, range(10), on_step=on_step)

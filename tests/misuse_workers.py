@@ -26,7 +26,8 @@ from ddp_workers import free_port, make_ddp, train_step
 
 
 def _entry(
-    rank: int, world: int, port: int, pg_timeout_s: float, out: str, case: str, args: tuple[Any, ...], linger_s: float
+    rank: int, world: int, port: int, pg_timeout_s: float, out: str, case: str | Callable[..., None],
+    args: tuple[Any, ...], linger_s: float,
 ) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -36,7 +37,7 @@ def _entry(
     start = time.monotonic()
     error = ""
     try:
-        CASES[case](rank, *args)
+        (CASES[case] if isinstance(case, str) else case)(rank, *args)
     except Exception as exc:  # noqa: BLE001 - the test inspects which error each rank saw
         error = f"{type(exc).__name__}: {exc}"
     report = {"error": error, "seconds": time.monotonic() - start, "at": time.monotonic(), "log": LOG}
@@ -47,10 +48,13 @@ def _entry(
 
 
 def launch(
-    case: str, world: int, out: Path, *args: Any, pg_timeout_s: float = 60.0, bound_s: float = 120.0,
+    case: str | Callable[..., None], world: int, out: Path, *args: Any, pg_timeout_s: float = 60.0, bound_s: float = 120.0,
     stopped: tuple[int, ...] = (), linger: dict[int, float] | None = None,
 ) -> dict[int, dict]:
     """Run ``CASES[case](rank, *args)`` on ``world`` ranks; return what each rank reported.
+
+    ``case`` may also be a module-level function (another adapter's rank program, e.g.
+    :func:`fsdp_workers.case_corrupt`).
 
     Raises AssertionError if a rank other than the ``stopped`` ones (SIGSTOPped on purpose) is
     still running after ``bound_s`` seconds (a hang). A rank in ``linger`` that ends with an
@@ -76,7 +80,7 @@ def launch(
             p.kill()
             p.join()
     reports = {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(world) if (out / f"rank{r}.json").exists()}
-    assert not hung, f"{case}: ranks {hung} hung; reports {reports}"
+    assert not hung, f"{getattr(case, '__name__', case)}: ranks {hung} hung; reports {reports}"
     return reports
 
 

@@ -1,5 +1,9 @@
 """``FSDPCompressionState``: the compressed reduce-scatter installed on every FSDP2 module.
 
+Owns the per-module plans, the bfloat16 residual working set, ``residual_dtype`` and the
+checkpoint form; option checks shared with DDP come from :mod:`commpress.options`, the
+collective and its fault channel from :mod:`commpress.comm`.
+
 FSDP2 (``torch.distributed.fsdp.fully_shard``) reduce-scatters one flat gradient per module:
 ``n`` chunks, chunk ``j`` holding rank ``j``'s (dim-0 padded) shard of each of the module's
 parameters in order. :meth:`FSDPModule.set_custom_reduce_scatter` lets a comm object replace
@@ -23,7 +27,6 @@ The rank's own chunk is never compressed (added exactly), so it needs no residua
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -34,18 +37,19 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from .. import checkpoint, codecs, comm
-from ..codecs import Bf16Codec, Codec, Fp16Codec, NoneCodec
+from .. import options as opts
+from ..checks import check_loaded_tensor
+from ..codecs import Codec, NoneCodec
 from ..comm import CommStats, Slot, piece_key, resolve_codec
 from ..comm.agreement import check_same_config
 from ..comm.faults import FaultChannel
 from ..errors import CodecError, ConfigurationError
-from ..feedback import MAX_PLAUSIBLE_ABS, ErrorFeedback, check_state_header
+from ..feedback import ErrorFeedback, check_state_header
 from ..rng import derive_seed
 from ..selection import DEFAULT_MIN_NUMEL, CompressFilter, SelectionRule
 
 STATE_FORMAT = 1
 VERIFY_TIMEOUT_S = 60
-logger = logging.getLogger("commpress")
 
 #: Residual dtypes on offer: float32 (exact error feedback) or bfloat16 (half the memory).
 RESIDUAL_DTYPES = (torch.float32, torch.bfloat16)
@@ -144,15 +148,12 @@ class FSDPCompressionState(checkpoint.StateFile):
         **codec_params: Any,
     ) -> None:
         self.codec = resolve_codec(codec, codec_params, "the all_to_all")
-        if error_feedback is None:
-            error_feedback = not self.codec.unbiased
-        for name, value in (("error_feedback", error_feedback), ("dense_1d", dense_1d), ("verify", verify)):
-            if not isinstance(value, bool):
-                raise CodecError(f"{name} must be a bool, got {value!r}")
+        error_feedback = opts.error_feedback_default(error_feedback, self.codec)
+        opts.check_bools(error_feedback=error_feedback, dense_1d=dense_1d, verify=verify)
+        assert isinstance(error_feedback, bool)
         if residual_dtype not in RESIDUAL_DTYPES:
             raise CodecError(f"residual_dtype must be torch.float32 or torch.bfloat16, got {residual_dtype!r}")
-        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 1 << 64:
-            raise CodecError(f"seed must be an int in [0, 2**64), got {seed!r}")
+        self.seed = opts.check_seed(seed)
         if compress_filter is not None and not callable(compress_filter):
             raise CodecError(f"compress_filter must be callable(name, parameter) -> bool, got {compress_filter!r}")
         try:
@@ -162,41 +163,32 @@ class FSDPCompressionState(checkpoint.StateFile):
         self._rule: CompressFilter = compress_filter or (lambda name, p: rule(name, tuple(p.shape), p.numel()))
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module after fully_shard, got {type(model).__name__}")
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("torch.distributed is not initialised: call init_process_group first")
+        opts.require_process_group()
         self.error_feedback = error_feedback
         self.residual_dtype = residual_dtype
-        self.seed = seed
         self._stats = CommStats()
         self._group: Any = None
         self.modules = self._plan(model)
         self.world_size = self.modules[0].world_size
         self.rank = dist.get_rank(self._group)
         self.faults = FaultChannel.of(self._group)  # one rank's failure is every rank's error
-        if error_feedback and self.codec.unbiased and not isinstance(self.codec, NoneCodec):
-            logger.warning("commpress: error feedback with the unbiased codec %r may diverge", self.codec)
+        opts.warn_unbiased_feedback(error_feedback, self.codec)
         self.feedback = self._new_feedback()
         self._low: dict[str, torch.Tensor] = {}  # bfloat16 residuals between steps
         if verify:
-            if not isinstance(verify_timeout, (int, float)) or isinstance(verify_timeout, bool) or verify_timeout <= 0:
-                raise CodecError(f"verify_timeout must be a number of seconds > 0, got {verify_timeout!r}")
-            self._verify_ranks(float(verify_timeout))
+            self._verify_ranks(opts.check_timeout(verify_timeout))
         modules = {n or "<root>": m for n, m in model.named_modules() if isinstance(m, FSDPModule)}
         for plan in self.modules:  # a module without parameters of its own has no plan
             modules[plan.name].set_custom_reduce_scatter(CompressedReduceScatter(self, plan))  # type: ignore[arg-type]
 
     # ----- planning --------------------------------------------------------------------------
-    @staticmethod
-    def _fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
-        return [m for m in model.modules() if isinstance(m, FSDPModule)]
-
     def _plan(self, model: torch.nn.Module) -> list[ModulePlan]:
         """One plan per FSDP module, from FSDP's parameter groups (the flat gradient's layout)."""
         names = {id(p): n for n, p in model.named_parameters()}
         index = {n: i for i, n in enumerate(names.values())}
         module_names = {id(m): n for n, m in model.named_modules()}
         plans = []
-        for module in self._fsdp_modules(model):
+        for module in (m for m in model.modules() if isinstance(m, FSDPModule)):
             label = module_names[id(module)] or "<root>"
             groups = module._get_fsdp_state()._fsdp_param_groups
             if len(groups) > 1:
@@ -236,7 +228,7 @@ class FSDPCompressionState(checkpoint.StateFile):
     @property
     def uses_feedback(self) -> bool:
         """True when residuals are kept (error feedback on, and a codec that drops something)."""
-        return self.error_feedback and not isinstance(self.codec, (NoneCodec, Fp16Codec, Bf16Codec))
+        return self.error_feedback and not self.codec.lossless
 
     def residual_shapes(self) -> dict[str, tuple[int]]:
         """Key -> shape of every residual this rank keeps (the chunks it sends, not its own)."""
@@ -274,15 +266,12 @@ class FSDPCompressionState(checkpoint.StateFile):
         self, plan: ModulePlan, output: torch.Tensor, input: torch.Tensor, group: Any, op: Any, async_op: bool
     ) -> Any:
         """One module's reduce-scatter (called by FSDP through :class:`CompressedReduceScatter`)."""
-        if op == dist.ReduceOp.AVG:
-            average = True
-        elif op == dist.ReduceOp.SUM:
-            average = False
-        else:
+        if op not in (dist.ReduceOp.AVG, dist.ReduceOp.SUM):
             raise ConfigurationError(
                 f"commpress reduce-scatter supports FSDP's AVG and SUM reductions, not {op!r} "
                 "(set_gradient_divide_factor makes FSDP pass a pre-multiplied sum)"
             )
+        average = op == dist.ReduceOp.AVG
         n = dist.get_world_size(group)
         if n != plan.world_size:
             raise ConfigurationError(f"module {plan.name!r}: reduce-scatter over {n} ranks, planned for {plan.world_size}")
@@ -377,10 +366,7 @@ class FSDPCompressionState(checkpoint.StateFile):
         s: dict[str, float] = dict(self._stats.as_dict())
         steps = max((m.calls for m in self.modules), default=0)
         s["steps"] = steps
-        s["compression_ratio"] = s["dense_bytes"] / s["bytes_sent"] if s["bytes_sent"] else 1.0
-        s["wire_ratio"] = s["dense_wire"] / s["bytes_wire"] if s["bytes_wire"] else 1.0
-        s["bytes_sent_per_step"] = s["bytes_sent"] / max(steps, 1)
-        s["dense_bytes_per_step"] = s["dense_bytes"] / max(steps, 1)
+        opts.ratio_stats(s, steps)
         s["residual_bytes"] = self.residual_bytes()
         return s
 
@@ -418,9 +404,7 @@ class FSDPCompressionState(checkpoint.StateFile):
                     f"{what} mismatch: checkpoint has {state[what]!r}, this state {mine!r} "
                     "(residuals are per rank: save and load one commpress state per rank)"
                 )
-        seed = state["seed"]
-        if not isinstance(seed, int) or not 0 <= seed < 1 << 64:
-            raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
+        seed = opts.check_saved_seed(state)
         calls = dict(state["calls"])
         if sorted(calls) != sorted(m.name for m in self.modules) or not all(
             isinstance(c, int) and c >= 0 for c in calls.values()
@@ -433,10 +417,7 @@ class FSDPCompressionState(checkpoint.StateFile):
                 raise ValueError(f"residual {key!r} is not one this rank keeps")
             if not isinstance(value, torch.Tensor) or tuple(value.shape) != shapes[key]:
                 raise ValueError(f"residual {key!r} must be a tensor of shape {shapes[key]}")
-            if value.dtype != self.residual_dtype or not bool(torch.isfinite(value).all()):
-                raise ValueError(f"residual {key!r} must be a finite {self.residual_dtype} tensor")
-            if value.numel() and float(value.abs().max()) > MAX_PLAUSIBLE_ABS:
-                raise ValueError(f"residual {key!r} holds {float(value.abs().max()):.3g}, beyond {MAX_PLAUSIBLE_ABS:g}")
+            check_loaded_tensor(value, f"residual {key!r}", dtypes=(self.residual_dtype,))
         self.feedback = self._new_feedback()
         self._low = {}
         for key, value in residuals.items():
