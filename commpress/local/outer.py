@@ -1,0 +1,151 @@
+"""The reduction of DiLoCo's pseudo-gradient: codec, slots, error feedback, and the skip of a bad sync.
+
+One flat buffer holds ``theta_global - theta_local`` of every trainable parameter (in
+``named_parameters`` order); :meth:`OuterReduction.reduce` averages it over the ranks through one
+commpress collective (:func:`commpress.comm.run`: the codec's default algorithm at this world
+size, one :class:`~commpress.comm.Slot` per parameter, seeds ``derive_seed(seed, sync, index)``
+that every rank computes alike). Which parameters travel compressed is the shared rule
+(:class:`~commpress.selection.SelectionRule`: >= 2 dimensions and >= ``min_numel`` elements;
+biases and norm scales dense). Error feedback follows the collectives' default: on for the
+biased codecs (top-k, sign: what they drop is carried to the next sync), off for the unbiased
+ones (QSGD, whose variance would make the residual grow).
+
+**Non-finite pseudo-gradients.** A rank whose slot is not finite sends a flag, not a packet, and
+every rank writes NaN there (the driver's policy; a dense all-reduce propagates NaN by itself),
+so every rank reads the same verdict from the same reduced buffer: :meth:`reduce` returns False
+on all of them alike, and restores every residual to what it held before the sync, so a skipped
+sync leaves no trace in the error feedback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .. import comm
+from .. import options as opts
+from ..codecs import Codec, NoneCodec
+from ..comm import CommStats, Slot
+from ..errors import CodecError
+from ..feedback import ErrorFeedback
+from ..rng import derive_seed
+from ..selection import DEFAULT_MIN_NUMEL, SelectionRule
+
+
+class OuterReduction:
+    """Averages one flat pseudo-gradient buffer over the ranks with a codec (see the module docstring)."""
+
+    def __init__(self, names: Sequence[str], shapes: Sequence[tuple[int, ...]], dtype: torch.dtype,
+                 codec: str | Codec, codec_params: dict[str, Any], *, world_size: int, rank: int, seed: int,
+                 min_numel: int = DEFAULT_MIN_NUMEL) -> None:
+        self.codec = comm.resolve_codec(codec, codec_params, "DiLoCo's outer reduction")
+        self.algorithm = comm.check_algorithm("auto", self.codec, world_size)
+        self.seed = opts.check_seed(seed)
+        self.world_size = world_size
+        rule = SelectionRule(min_numel, True)
+        lossless = isinstance(self.codec, NoneCodec)
+        self.compressed = [not lossless and bool(rule(n, s)) for n, s in zip(names, shapes)]
+        for name, shape, on in zip(names, shapes, self.compressed):
+            if on:
+                numel = int(torch.Size(shape).numel())
+                try:
+                    self.codec.wire_size(numel, dtype)
+                    self.codec.wire_params(numel)
+                except CodecError as exc:
+                    raise CodecError(f"parameter {name!r} {tuple(shape)}: {exc}") from None
+        self.names, self.shapes = list(names), [tuple(s) for s in shapes]
+        offsets, off = [], 0
+        for s in self.shapes:
+            offsets.append(off)
+            off += int(torch.Size(s).numel())
+        self.offsets = offsets
+        self.error_feedback = bool(opts.error_feedback_default(None, self.codec)) and not self.codec.lossless
+        algorithm = comm.get(self.algorithm)
+        self.worker: ErrorFeedback | None = None
+        self.server: ErrorFeedback | None = None
+        if self.error_feedback:
+            kept = [(n, s) for n, s, c in zip(self.names, self.shapes, self.compressed) if c]
+            self.worker = ErrorFeedback(self.codec, {p.key: p.shape for n, s in kept
+                                                     for p in algorithm.residual_layout(n, s, self.codec, world_size)})
+            if algorithm.server_feedback:
+                self.server = ErrorFeedback(self.codec, {p.key: p.shape for n, s in kept
+                                                         for p in algorithm.server_layout(n, s, self.codec, world_size, rank)})
+        self.counters = CommStats()
+
+    def slots(self, sync: int) -> list[Slot]:
+        """The slots of sync ``sync``: one per parameter, compressed or dense, seeds shared by all ranks."""
+        dense = NoneCodec()
+        return [
+            Slot(key=name, offset=off, shape=shape, codec=self.codec if on else dense,
+                 seed=derive_seed(self.seed, sync, index), feedback=self.worker if on else None)
+            for index, (name, shape, off, on) in enumerate(zip(self.names, self.shapes, self.offsets, self.compressed))
+        ]
+
+    def reduce(self, buffer: torch.Tensor, sync: int, group: Any) -> bool:
+        """Average ``buffer`` in place over the ranks; False (on every rank alike) when the result is not finite."""
+        saved = [_snapshot(ef) for ef in (self.worker, self.server)]
+        comm.run(self.algorithm, buffer, self.slots(sync), group=group, server_feedback=self.server,
+                 stats=self.counters).wait()
+        if bool(torch.isfinite(buffer).all()):
+            return True
+        for ef, snap in zip((self.worker, self.server), saved):
+            _restore(ef, snap)
+        return False
+
+    def config(self) -> dict[str, Any]:
+        """What all ranks must agree on (plain types)."""
+        return {"codec": self.codec.config(), "algorithm": self.algorithm, "error_feedback": self.error_feedback,
+                "seed": self.seed, "compressed": list(self.compressed)}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Residuals (worker and two-phase server side), as :class:`ErrorFeedback` states."""
+        return {"worker": None if self.worker is None else self.worker.state_dict(),
+                "server": None if self.server is None else self.server.state_dict()}
+
+    def check_state(self, state: Any) -> None:
+        """Raise ValueError naming the bad entry unless :meth:`load_state_dict` would accept ``state``."""
+        if not isinstance(state, Mapping) or set(state) != {"worker", "server"}:
+            raise ValueError(f"feedback must be a mapping with 'worker' and 'server', got {state!r:.80}")
+        for side, ef in (("worker", self.worker), ("server", self.server)):
+            if (state[side] is None) != (ef is None):
+                raise ValueError(f"feedback.{side}: checkpoint {'has no' if state[side] is None else 'has'} "
+                                 f"residuals, this DiLoCo {'keeps' if ef is not None else 'keeps none'}")
+            if ef is not None:
+                probe = ErrorFeedback(ef.codec, ef.shapes)
+                try:
+                    probe.load_state_dict(state[side])
+                except ValueError as exc:
+                    raise ValueError(f"feedback.{side}: {exc}") from None
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` output (check it first with :meth:`check_state`)."""
+        for side, ef in (("worker", self.worker), ("server", self.server)):
+            if ef is not None:
+                ef.reset()
+                ef.load_state_dict(state[side])
+
+
+def _snapshot(ef: ErrorFeedback | None) -> dict[str, torch.Tensor]:
+    if ef is None:
+        return {}
+    out = {}
+    for k in ef.keys():
+        r = ef.residual(k)
+        assert r is not None
+        out[k] = r.clone()
+    return out
+
+
+def _restore(ef: ErrorFeedback | None, snap: dict[str, torch.Tensor]) -> None:
+    if ef is None:
+        return
+    for k in list(ef.keys()):
+        if k not in snap:
+            ef.set_residual(k, None)
+    for k, v in snap.items():
+        ef.set_residual(k, v)
+
+
+__all__ = ["OuterReduction"]

@@ -1,0 +1,152 @@
+"""The local-step schedule every low-communication trainer shares: hook, counting, group, agreement.
+
+A trainer here (:class:`~commpress.local.LocalSGD`, :class:`~commpress.local.DiLoCo`) wraps a
+plain module per rank (no DDP wrapper) and its inner optimizer. Used as a context manager it
+installs a step post-hook on that optimizer (``register_step_post_hook``); every ``sync_every``
+inner steps the hook runs the trainer's :meth:`LocalSchedule.sync`, inside the user's
+``optimizer.step()``, so the training loop does not change. Leaving the context removes the hook.
+
+What lives here, once: the argument checks (a module, a ``torch.optim`` optimizer over its
+parameters, ``sync_every >= 1``), the flat layout of the trainable parameters (one floating
+dtype, one device), the process group and its :class:`~commpress.comm.faults.FaultChannel`
+(every sync runs in a guarded scope: a failure on one rank is every rank's error, waits are
+bounded), and the cross-rank configuration check (:func:`~commpress.comm.agreement.check_same_config`:
+ranks built differently fail at construction, on every rank, naming what differs).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import options as opts
+from ..comm.agreement import check_same_config
+from ..comm.faults import FaultChannel
+from ..errors import ConfigurationError
+
+logger = logging.getLogger("commpress")
+
+#: seconds every rank has to construct the trainer before the others fail (configuration check)
+VERIFY_TIMEOUT_S = 60.0
+
+
+def check_sync_every(sync_every: Any) -> int:
+    """``sync_every`` (H): an int >= 1."""
+    if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
+        raise ConfigurationError(f"sync_every must be an int >= 1 (inner steps between syncs), got {sync_every!r}")
+    return sync_every
+
+
+class LocalSchedule:
+    """Base of the local-step trainers: counts inner steps and calls :meth:`sync` every ``sync_every``.
+
+    Subclasses define :meth:`sync` (all ranks, in the same order) and :meth:`config`.
+    """
+
+    #: names the trainer in errors and the agreement check
+    what = "commpress.local"
+
+    def __init__(self, model: Any, optimizer: Any, sync_every: int, *, process_group: Any = None,
+                 verify_timeout: float = VERIFY_TIMEOUT_S) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise ConfigurationError(f"model must be a torch.nn.Module (a plain module per rank), got {type(model).__name__}")
+        if hasattr(model, "require_backward_grad_sync"):
+            raise ConfigurationError(f"{self.what} takes the plain module, not a DDP wrapper: pass ddp.module")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigurationError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        self.sync_every = check_sync_every(sync_every)
+        self.timeout_s = opts.check_timeout(verify_timeout)
+        self.model = model
+        self.optimizer = optimizer
+        self.names, self.params = self._trainable(model, optimizer)
+        self.numel = sum(p.numel() for p in self.params)
+        self.dtype = self.params[0].dtype
+        self.device = self.params[0].device
+        opts.require_process_group()
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        self.faults = FaultChannel.of(process_group)
+        self.step = 0  # inner steps taken (the schedule's clock; checkpointed)
+        self.syncs = 0  # syncs run
+        self._handle: Any = None
+
+    @staticmethod
+    def _trainable(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[list[str], list[torch.nn.Parameter]]:
+        """Names and parameters synced: every trainable one, in ``named_parameters`` order (the same on every rank)."""
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ConfigurationError("model has no trainable parameters to synchronise")
+        owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        stray = [n for n, p in named if id(p) not in owned]
+        if stray:
+            raise ConfigurationError(f"optimizer does not update parameter(s) {stray[:3]}: pass the model's own optimizer")
+        kinds = {(p.dtype, p.device) for _, p in named}
+        if len(kinds) != 1 or not named[0][1].is_floating_point():
+            raise ConfigurationError(f"trainable parameters must share one floating dtype and device, got {sorted(map(str, kinds))}")
+        return [n for n, _ in named], [p for _, p in named]
+
+    # ----- the hook ------------------------------------------------------------------------------
+    def __enter__(self) -> LocalSchedule:
+        if self._handle is not None:
+            raise RuntimeError(f"{self.what} is already entered")
+        self._handle = self.optimizer.register_step_post_hook(self._after_step)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.step += 1
+        if self.step % self.sync_every == 0:
+            with torch.no_grad(), self.faults.guarded(f"{self.what} sync {self.syncs} (inner step {self.step})"):
+                error = self.sync()
+            self.syncs += 1
+            if error is not None:  # the same on every rank (decided from one collective's result)
+                raise error
+
+    def sync(self) -> Exception | None:
+        """Synchronise the ranks (every rank calls it at the same inner step).
+
+        Returns an error every rank raises after the guarded scope (one that is not a failure of
+        this rank alone, so it is not posted to the others), or None.
+        """
+        raise NotImplementedError
+
+    # ----- helpers for subclasses -----------------------------------------------------------------
+    def flat_params(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The trainable parameters as one flat buffer, in :attr:`names` order."""
+        if out is None:
+            out = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        off = 0
+        for p in self.params:
+            out[off : off + p.numel()].copy_(p.detach().reshape(-1))
+            off += p.numel()
+        return out
+
+    def set_params(self, flat: torch.Tensor) -> None:
+        """Copy a flat buffer (any device) into the trainable parameters."""
+        off = 0
+        for p in self.params:
+            p.detach().copy_(flat[off : off + p.numel()].view(p.shape))
+            off += p.numel()
+
+    def config(self) -> dict[str, Any]:
+        """Everything all ranks must agree on (plain types)."""
+        return {
+            "trainer": type(self).__name__, "sync_every": self.sync_every, "world_size": self.world_size,
+            "params": [[n, list(p.shape), str(p.dtype)] for n, p in zip(self.names, self.params)],
+        }
+
+    def verify_ranks(self, summary: str) -> None:
+        """Fail on every rank when ranks constructed the trainer differently (or not at all)."""
+        check_same_config(self.config(), summary=summary, group=self.process_group, timeout_s=self.timeout_s,
+                          what=self.what)
+
+
+__all__ = ["VERIFY_TIMEOUT_S", "LocalSchedule", "check_sync_every"]
