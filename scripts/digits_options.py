@@ -5,7 +5,7 @@ registration per argument, to measure what each option buys.
 
 Each argument is ``codec|hook options as JSON|optimizer momentum``: codec ``dense`` registers nothing;
 ``"_opt": true`` passes the optimizer (``optimizer=opt``); a negative momentum uses
-``AdamW(lr=1e-3, weight_decay=0.01)`` instead of ``SGD(lr=0.1, momentum=...)``. ``SEED=k`` changes the model initialisation (the split stays); ``GUARD_DEBUG=1``
+``AdamW(lr=1e-3, weight_decay=0.01)`` instead of ``SGD(lr=0.1, momentum=...)``. ``SEED=k`` changes the model initialisation (the split stays); ``EPOCHS=n`` trains n epochs (12); ``GUARD_DEBUG=1``
 logs the divergence guard's ratio on rank 0. Prints held-out accuracy, the loss per epoch and the guard's
 counters.
 """
@@ -60,7 +60,7 @@ def worker(rank: int, world: int, port: int, name: str, kw: dict[str, Any], mom:
             kw["optimizer"] = opt
         state = commpress.ddp.register(ddp, name, **kw)
     losses = []
-    for _ in range(12):
+    for _ in range(int(os.environ.get("EPOCHS", "12"))):
         for i in range(0, len(xtr), 35):
             loss = nn.functional.cross_entropy(ddp(xtr[i : i + 35]), ytr[i : i + 35])
             opt.zero_grad()

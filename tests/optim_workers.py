@@ -173,7 +173,7 @@ def worker_momentum_masking(rank: int, world: int) -> None:
     """DGC's masking zeroes the velocity exactly at the entries just sent (where the residual was
     emptied), and nowhere else: top-k with SGD momentum, random-k through Adam's compressed momentum."""
     cases = (
-        ("topk", {"ratio": 0.05, "momentum_masking": True}, lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)),
+        ("topk", {"ratio": 0.25, "momentum_masking": True}, lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)),
         ("randomk", {"ratio": 0.05, "warmup_steps": 2}, lambda ps: torch.optim.AdamW(ps, lr=1e-3)),
     )
     for codec, opts, make_opt in cases:
@@ -260,13 +260,13 @@ def worker_guard(rank: int, world: int, out: str) -> None:
     results = {}
     for case, codec, opts in (
         ("healthy", "topk", {"ratio": 0.1}),
-        # top-k keeping 1 of 16384 weights: the residual (of velocities) grows every step until it
-        # dwarfs the input
+        # top-k keeping 1 of 16384 weights: the residual grows every step until it dwarfs the
+        # input (ratio 4.1 by step 24 with momentum as a gain; the healthy run stays near 1.4)
         ("unstable", "topk", {"k": 1}),
     ):
         ddp = make_ddp()
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-        guard = DivergenceGuard(interval=2, threshold=5.0, dense_steps=3)
+        guard = DivergenceGuard(interval=2, threshold=3.0, dense_steps=3)
         state = commpress.ddp.register(ddp, codec, optimizer=opt, divergence_guard=guard, **opts)
         flushed = True
         for step in range(24):

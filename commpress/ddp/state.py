@@ -27,6 +27,7 @@ from ..optim import (
     SGDHandover,
     Warmup,
     adopt_adam,
+    momentum_as_gain,
     optimizer_mode,
 )
 from ..rng import derive_seed
@@ -364,7 +365,8 @@ class CompressionState(DDPCheckpoint):
         A parameter whose gradient is not finite keeps its velocity and its NaN gradient (the
         collectives' non-finite policy then voids the step on every rank).
 
-        Compressed parameters of a value-blind codec (random-k) with SGD momentum get the
+        Compressed parameters of a low-density sparse codec (random-k; top-k at a small ratio:
+        :func:`~commpress.optim.momentum_as_gain`) with SGD momentum get the
         momentum's steady-state gain instead on the steps that compress them (``compressing``;
         :meth:`~commpress.optim.MomentumCorrection.apply` says why and what was measured).
         """
@@ -379,7 +381,9 @@ class CompressionState(DDPCheckpoint):
 
     def _momentum_as_gain(self, plan: ParamPlan) -> bool:
         """True when ``plan``'s SGD momentum is a gain, not a velocity, on compressing steps (see above)."""
-        return plan.compressed and self.codec.value_blind and self.adam is None
+        rule = self.correction.rules.get(plan.name)
+        return (plan.compressed and self.adam is None and rule is not None
+                and momentum_as_gain(self.codec, plan.numel, rule))
 
     def mask_momentum(self, plan: BucketPlan) -> None:
         """DGC's momentum factor masking of the bucket's compressed parameters (:meth:`MomentumCorrection.mask`)."""
