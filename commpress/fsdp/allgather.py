@@ -11,8 +11,9 @@ per call:
 1. encode each parameter's piece of the shard with the parameter codec (a parameter the
    selection rule keeps dense, e.g. a bias, travels as it is), into one frame of fixed size
    (:class:`commpress.wire.frame.FrameLayout`, the same on every rank);
-2. one ``all_gather_into_tensor`` of those uint8 frames, inside the group's fault channel (a
-   rank that cannot encode, e.g. NaN in its shard, fails every rank instead of hanging them);
+2. one ``all_gather_single`` (``all_gather_into_tensor``) of those uint8 frames, inside the
+   group's fault channel (a rank that cannot encode, e.g. NaN in its shard, fails every rank
+   instead of hanging them);
 3. decode every rank's frame, its own included, into ``output_tensor``: every rank computes
    with the same bit-identical gathered parameters.
 
@@ -255,7 +256,7 @@ class ParamAllGather:
             send = layout.pack(packets, device=input.device)
             recv = torch.empty(n * layout.nbytes, dtype=torch.uint8, device=input.device)
             t1 = time.perf_counter()
-            wait(dist.all_gather_into_tensor(recv, send, group=group, async_op=True), input.device)
+            wait(dist.all_gather_single(recv, send, group=group, async_op=True), input.device)
             t2 = time.perf_counter()
             out = output.view(-1)
             for j in range(n):
