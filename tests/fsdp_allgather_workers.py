@@ -212,3 +212,19 @@ def worker_all(rank: int, world: int, outdir: str) -> None:
     check_refusals(rank, world)
     if rank == 0:
         (Path(outdir) / "allgather.json").write_text(json.dumps(report, indent=1))
+
+
+def case_nan_shard(rank: int, victim: int) -> None:
+    """Rank ``victim``'s shard of ``h1.weight`` turns NaN before step 2 (a rank program for
+    :func:`misuse_workers.launch`): its encode refuses it, and every rank raises within seconds."""
+    model = make()
+    commpress.fsdp.register(model, "none", param_codec="int8")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(5):
+        if step == 2 and rank == victim:
+            with torch.no_grad():
+                model.h1.weight.to_local()[0, 0] = float("nan")  # type: ignore[operator]
+        x, y = batch(rank, step)
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()

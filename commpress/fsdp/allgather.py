@@ -56,7 +56,7 @@ from .. import codecs
 from ..codecs import Codec, NoneCodec
 from ..comm.faults import FaultChannel, wait
 from ..dtypes import FLOAT_DTYPES
-from ..errors import CodecError, ConfigurationError
+from ..errors import CodecError, ConfigurationError, NonFiniteError
 from ..wire.frame import FrameLayout
 
 __all__ = ["AllGatherPlan", "CompressedAllGather", "ParamAllGather", "resolve_param_codec"]
@@ -106,14 +106,17 @@ def resolve_param_codec(param_codec: Any) -> dict[str, Codec] | None:
 
 @dataclass
 class AllGatherPlan:
-    """One FSDP module's all-gather: its parameters' names, padded shard numels, compressed flags."""
+    """One FSDP module's all-gather: its parameters' names, padded shard numels, compressed flags.
+
+    ``calls`` counts its all-gathers per direction (``forward``, ``backward``), as errors name them.
+    """
 
     name: str
     names: list[str]
     numels: list[int]
     compressed: list[bool]
     world_size: int
-    calls: int = 0
+    calls: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DIRECTIONS, 0))
     layouts: dict[tuple[str, torch.dtype], FrameLayout] = field(default_factory=dict)
 
     @property
@@ -236,13 +239,13 @@ class ParamAllGather:
         direction = self.direction()
         codec = self.codecs[direction]
         dense_bytes = input.numel() * input.element_size()
-        where = f"module {plan.name!r}, {direction} all-gather {plan.calls}"
+        where = f"module {plan.name!r}, {direction} all-gather {plan.calls[direction]}"
         if isinstance(codec, NoneCodec):  # FSDP's own collective, as DefaultAllGather issues it
             t0 = time.perf_counter()
             with self.faults.guarded(where):
                 wait(dist.all_gather_single(output, input, group=group, async_op=True), output.device)
             self._count(direction, dense_bytes, dense_bytes, n, wait_s=time.perf_counter() - t0)
-            plan.calls += 1
+            plan.calls[direction] += 1
             return
         self._check(plan, output, input, n)
         with self.faults.guarded(where):
@@ -250,8 +253,13 @@ class ParamAllGather:
             layout = self._layout(plan, direction, input.dtype)
             flat = input.view(-1)
             packets, off = [], 0
-            for c, k in zip(layout.codecs, plan.numels):
-                packets.append(c.encode(flat[off : off + k]))  # type: ignore[attr-defined]
+            for c, k, name in zip(layout.codecs, plan.numels, plan.names):
+                try:
+                    packets.append(c.encode(flat[off : off + k]))  # type: ignore[attr-defined]
+                except NonFiniteError:
+                    raise NonFiniteError(
+                        f"parameter {name!r}: this rank's shard contains NaN or Inf, which {c.name} cannot encode"
+                    ) from None
                 off += k
             send = layout.pack(packets, device=input.device)
             recv = torch.empty(n * layout.nbytes, dtype=torch.uint8, device=input.device)
@@ -273,7 +281,7 @@ class ParamAllGather:
                     off += k
             t3 = time.perf_counter()
         self._count(direction, layout.nbytes, dense_bytes, n, encode_s=t1 - t0, wait_s=t2 - t1, decode_s=t3 - t2)
-        plan.calls += 1
+        plan.calls[direction] += 1
 
     # ----- statistics -------------------------------------------------------------------------
     def _count(self, direction: str, sent: int, dense: int, n: int, *, encode_s: float = 0.0, decode_s: float = 0.0,

@@ -22,6 +22,7 @@ from commpress.fsdp.allgather import resolve_param_codec
 
 import ddp_workers as w
 import fsdp_allgather_workers as aw
+import misuse_workers as mw
 
 
 @pytest.mark.parametrize(
@@ -55,3 +56,15 @@ def test_compressed_allgather_on_two_ranks(tmp_path: Path) -> None:
     print(json.dumps(report, indent=1))
     assert report["int8"]["allgather_compression_ratio"] > 3.0
     assert report["int4"]["allgather_compression_ratio"] > report["int8"]["allgather_compression_ratio"]
+
+
+def test_a_nan_shard_fails_every_rank_within_seconds(tmp_path: Path) -> None:
+    """NaN in one rank's parameter shard: its encode raises (NonFiniteError), the fault channel
+    makes it every rank's RankFailedError instead of leaving the others in the all-gather."""
+    reports = mw.launch(aw.case_nan_shard, 2, tmp_path, 1, pg_timeout_s=120, bound_s=60)
+    assert set(reports) == {0, 1}, reports
+    for rank in (0, 1):
+        error = reports[rank]["error"]
+        assert "RankFailedError: commpress: rank 1 failed at module 'h1', forward all-gather 2" in error, reports
+        assert "NonFiniteError: parameter 'h1.weight': this rank's shard contains NaN or Inf" in error, reports
+        assert abs(reports[rank]["at"] - reports[1]["at"]) < 10, reports
