@@ -25,9 +25,10 @@ about a quarter of FSDP's float32 bytes (half of bfloat16's).
 
 **Dtypes.** The all-gather dtype is the parameters' (float32), or ``MixedPrecisionPolicy``'s
 ``param_dtype`` (e.g. bfloat16: encoded from the bfloat16 shard, decoded to bfloat16). FSDP
-all-gathers raw ``uint8`` when a module's parameters have different dtypes (or a tensor
-subclass brings its own ``fsdp_pre_all_gather``): that is refused with a
-:class:`~commpress.errors.ConfigurationError` at the first all-gather.
+all-gathers raw ``uint8`` when a module's all-gather inputs have different dtypes (a tensor
+subclass bringing its own ``fsdp_pre_all_gather``, e.g. float8 weights; FSDP itself refuses
+plain parameters of mixed dtypes): that is refused with a :class:`~commpress.errors.ConfigurationError`
+at the first all-gather, on every rank alike, before any collective.
 
 **Forward and backward.** ``param_codec={"forward": "int8", "backward": "int4"}`` chooses per
 direction. FSDP calls the same comm for both; the call tells them apart cheaply and reliably:
@@ -158,8 +159,11 @@ class ParamAllGather:
     selection rule: small and 1-D ones are gathered exactly).
     """
 
-    STAT_KEYS = ("allgather_calls", "allgather_forward_calls", "allgather_backward_calls", "allgather_bytes_sent", "allgather_bytes_wire", "allgather_dense_bytes",
-                 "allgather_dense_wire", "allgather_encode_s", "allgather_decode_s", "allgather_wait_s")
+    STAT_KEYS = (
+        "allgather_calls", "allgather_forward_calls", "allgather_backward_calls", "allgather_bytes_sent",
+        "allgather_bytes_wire", "allgather_dense_bytes", "allgather_dense_wire", "allgather_encode_s",
+        "allgather_decode_s", "allgather_wait_s",
+    )
 
     def __init__(self, model: torch.nn.Module, codecs_by_direction: dict[str, Codec],
                  rule: Callable[[str, torch.nn.Parameter], bool], faults: FaultChannel) -> None:
@@ -217,9 +221,9 @@ class ParamAllGather:
     def _check(self, plan: AllGatherPlan, output: torch.Tensor, input: torch.Tensor, n: int) -> None:
         if input.dtype == torch.uint8:
             raise ConfigurationError(
-                f"module {plan.name!r}: FSDP all-gathers raw uint8 bytes (its parameters have different dtypes, "
-                "or a tensor subclass defines fsdp_pre_all_gather); param_codec needs one floating dtype: give the "
-                "module's parameters one dtype (or MixedPrecisionPolicy(param_dtype=...)), or use param_codec=None"
+                f"module {plan.name!r}: FSDP all-gathers raw uint8 bytes (its all-gather inputs have different "
+                "dtypes: a tensor subclass, e.g. float8 weights, defines fsdp_pre_all_gather); param_codec needs one "
+                "floating dtype per module: use param_codec=None for this model"
             )
         if input.dtype not in FLOAT_DTYPES:
             raise ConfigurationError(f"module {plan.name!r}: param_codec cannot all-gather {input.dtype} parameters")
