@@ -263,9 +263,9 @@ class FSDPCompressionState(checkpoint.StateFile):
             "residual_dtype": str(self.residual_dtype),
             "seed": self.seed,
             "world_size": self.world_size,
-            "param_codec": None if self.allgather is None else self.allgather.config(),
             "modules": [[m.name, [[p.name, list(p.shape), p.chunk_numel, p.compressed] for p in m.params]]
                         for m in self.modules],
+            **({} if self.allgather is None else {"param_codec": self.allgather.config()}),
         }
 
     def _verify_ranks(self, timeout_s: float) -> None:
