@@ -36,6 +36,11 @@ the backward all-gather runs inside the autograd engine (a pre-backward hook, or
 where ``torch._C._current_graph_task_id()`` is not -1. An activation-checkpointing recompute
 runs there too, and rightly gets the backward codec (it is compute for the backward pass).
 
+**Limits.** ``fully_shard(..., reshard_after_forward=<int>)`` (resharding after forward to a
+smaller group, so the backward all-gather runs over other ranks with other shard sizes) is
+refused at that all-gather with a :class:`~commpress.errors.ConfigurationError`; the encode is
+synchronous (no overlap with compute) and runs the vectorised-torch fast path, not a native kernel.
+
 ``param_codec="none"`` is FSDP's own all-gather (the same ``all_gather_single`` call, bit for
 bit) with its bytes counted; ``param_codec=None`` (the default) installs nothing.
 """
