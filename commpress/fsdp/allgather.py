@@ -233,7 +233,11 @@ class ParamAllGather:
         if input.dtype not in FLOAT_DTYPES:
             raise ConfigurationError(f"module {plan.name!r}: param_codec cannot all-gather {input.dtype} parameters")
         if n != plan.world_size:
-            raise ConfigurationError(f"module {plan.name!r}: all-gather over {n} ranks, planned for {plan.world_size}")
+            raise ConfigurationError(
+                f"module {plan.name!r}: all-gather over {n} ranks, planned for {plan.world_size} "
+                "(fully_shard(reshard_after_forward=<int>) reshards to a smaller group after forward: "
+                "param_codec supports reshard_after_forward True or False)"
+            )
         if input.numel() != plan.shard_numel or output.numel() != n * plan.shard_numel:
             raise ConfigurationError(
                 f"module {plan.name!r}: FSDP all-gathers {input.numel()} elements per rank into {output.numel()}, "
