@@ -24,6 +24,8 @@ CODEC_CONFIGS = {
     "qsgd8": dict(name="qsgd", bits=8, levels=100, bucket_size=100),
     "qsgd4-gamma": dict(name="qsgd", bits=4, coding="gamma"),
     "qsgd8-gamma": dict(name="qsgd", bits=8, levels=100, bucket_size=100, coding="gamma"),
+    "int8": dict(name="int8"),
+    "int4-block": dict(name="int4", block_size=16),
 }
 
 

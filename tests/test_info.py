@@ -18,7 +18,7 @@ def run_py(code, **env):
 def test_info_reports_backends_and_codecs():
     report = commpress.info()
     assert report["backends"]["reference"] is True
-    assert report["codecs"] == ["none", "fp16", "bf16", "topk", "randomk", "sign", "qsgd"]
+    assert report["codecs"] == ["none", "fp16", "bf16", "topk", "randomk", "sign", "qsgd", "int8", "int4"]
     assert set(report["native"]["ops"]) == set(commpress.kernels.ops._OPS) >= {"pack_bits", "unpack_bits", "sign_encode"}
     assert not torch.cuda.is_initialized()
 

@@ -13,6 +13,8 @@ topk      k (index, value) pairs of largest magnitude  no        k/d
 randomk   k values at seed-drawn indices               scaled    unscaled: ~k/d
 sign      1 bit/element + a scale per block            no        1/block
 qsgd      2/4/8-bit stochastic levels + bucket norms   yes       (variance bound)
+int8      8-bit levels + a scale per block (absmax)    no        (error <= scale/2 per element)
+int4      4-bit levels + a scale per block (absmax)    no        (error <= scale/2 per element)
 ========  ===========================================  ========  =====================
 """
 
@@ -24,6 +26,7 @@ from typing import Any
 from ..errors import CodecError
 from ..wire import registry as wire_registry
 from .base import Codec
+from .blockint import Int4Codec, Int8Codec
 from .cast import Bf16Codec, Fp16Codec
 from .none import NoneCodec
 from .qsgd import QSGDCodec
@@ -32,11 +35,11 @@ from .sign import SignCodec
 from .topk import TopKCodec
 
 _CLASSES: tuple[type[Codec], ...] = (
-    NoneCodec, Fp16Codec, Bf16Codec, TopKCodec, RandomKCodec, SignCodec, QSGDCodec,
+    NoneCodec, Fp16Codec, Bf16Codec, TopKCodec, RandomKCodec, SignCodec, QSGDCodec, Int8Codec, Int4Codec,
 )
 
 __all__ = [
-    "Bf16Codec", "Codec", "Fp16Codec", "NoneCodec", "QSGDCodec", "RandomKCodec", "SignCodec",
+    "Bf16Codec", "Codec", "Fp16Codec", "Int4Codec", "Int8Codec", "NoneCodec", "QSGDCodec", "RandomKCodec", "SignCodec",
     "TopKCodec", "available", "register", "codec_class", "codec_class_by_id", "from_config", "from_spec", "get",
     "parse_option", "parse_params", "parse_value", "to_spec",
 ]

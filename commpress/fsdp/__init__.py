@@ -4,8 +4,11 @@
 :class:`~.state.CompressedReduceScatter` on every FSDP module of ``model`` and returns the
 :class:`FSDPCompressionState` (statistics, residual memory, checkpointing). Each rank encodes
 the chunks of the flat gradient bound for the other ranks, exchanges them with one all_to_all,
-and decodes and sums its own shard (:mod:`commpress.comm.reducescatter`); the all-gather of
-parameters stays FSDP's. ``"none"`` is FSDP's own reduce-scatter, bit for bit.
+and decodes and sums its own shard (:mod:`commpress.comm.reducescatter`). ``"none"`` is FSDP's
+own reduce-scatter, bit for bit. The parameter all-gathers (forward and backward) stay FSDP's
+unless ``param_codec=`` is given: ``register(model, "none", param_codec="int8")`` gathers
+block-scaled int8 parameters instead, a quarter of the float32 bytes
+(:mod:`commpress.fsdp.allgather`; the sharded parameters stay exact).
 
 Example::
 
@@ -24,16 +27,20 @@ from typing import Any
 import torch
 
 from ..codecs import Codec
+from .allgather import AllGatherPlan, CompressedAllGather, ParamAllGather
 from .state import CompressedReduceScatter, FSDPCompressionState, ModulePlan, ShardPlan
 
-__all__ = ["CompressedReduceScatter", "FSDPCompressionState", "ModulePlan", "ShardPlan", "register"]
+__all__ = [
+    "AllGatherPlan", "CompressedAllGather", "CompressedReduceScatter", "FSDPCompressionState", "ModulePlan",
+    "ParamAllGather", "ShardPlan", "register",
+]
 
 
 def register(model: torch.nn.Module, codec: str | Codec, **options: Any) -> FSDPCompressionState:
     """Install commpress's reduce-scatter on every FSDP module of ``model``; return its state.
 
     ``options`` are those of :class:`FSDPCompressionState` plus, when ``codec`` is a name, the
-    codec's parameters. Call it on every rank, after ``fully_shard`` and before the first
-    backward pass.
+    codec's parameters (``param_codec=`` compresses the parameter all-gather). Call it on every
+    rank, after ``fully_shard`` and before the first backward pass.
     """
     return FSDPCompressionState(model, codec, **options)

@@ -47,6 +47,7 @@ from ..errors import CodecError, ConfigurationError
 from ..feedback import ErrorFeedback, check_state_header
 from ..rng import derive_seed
 from ..selection import DEFAULT_MIN_NUMEL, CompressFilter, SelectionRule
+from .allgather import ParamAllGather, resolve_param_codec
 
 STATE_FORMAT = 1
 VERIFY_TIMEOUT_S = 60
@@ -123,13 +124,19 @@ class FSDPCompressionState(checkpoint.StateFile):
         verify: compare a digest of the configuration across ranks at construction (through the
             process group's store, as DDP's ``register`` does) so ranks set up
             differently fail with :class:`ConfigurationError` instead of hanging.
+        param_codec: the parameter all-gather (:mod:`commpress.fsdp.allgather`): ``None``
+            (default) leaves FSDP's own untouched; ``"int8"`` / ``"int4"`` (block-scaled, any
+            ``"int8:block_size=128"`` spec, or a fixed-size non-sparse :class:`Codec`) quantises
+            the gathered copy of the parameters the selection rule compresses (the sharded
+            parameters stay exact); ``"none"`` is FSDP's own all-gather with its bytes counted;
+            ``{"forward": ..., "backward": ...}`` chooses per direction.
         **codec_params: codec parameters when ``codec`` is a name.
     """
 
     file_what = "commpress FSDP state"
     __slots__ = (
         "codec", "error_feedback", "residual_dtype", "seed", "world_size", "rank", "modules",
-        "feedback", "_low", "_stats", "_rule", "_group", "faults",
+        "feedback", "_low", "_stats", "_rule", "_group", "faults", "allgather",
     )
 
     def __init__(
@@ -145,9 +152,11 @@ class FSDPCompressionState(checkpoint.StateFile):
         seed: int = 0,
         verify: bool = True,
         verify_timeout: float = VERIFY_TIMEOUT_S,
+        param_codec: Any = None,
         **codec_params: Any,
     ) -> None:
         self.codec = resolve_codec(codec, codec_params, "the all_to_all")
+        param_codecs = resolve_param_codec(param_codec)
         error_feedback = opts.error_feedback_default(error_feedback, self.codec)
         opts.check_bools(error_feedback=error_feedback, dense_1d=dense_1d, verify=verify)
         assert isinstance(error_feedback, bool)
@@ -175,11 +184,14 @@ class FSDPCompressionState(checkpoint.StateFile):
         opts.warn_unbiased_feedback(error_feedback, self.codec)
         self.feedback = self._new_feedback()
         self._low: dict[str, torch.Tensor] = {}  # bfloat16 residuals between steps
+        self.allgather = None if param_codecs is None else ParamAllGather(model, param_codecs, self._rule, self.faults)
         if verify:
             self._verify_ranks(opts.check_timeout(verify_timeout))
         modules = {n or "<root>": m for n, m in model.named_modules() if isinstance(m, FSDPModule)}
         for plan in self.modules:  # a module without parameters of its own has no plan
             modules[plan.name].set_custom_reduce_scatter(CompressedReduceScatter(self, plan))  # type: ignore[arg-type]
+        if self.allgather is not None:
+            self.allgather.install(model)
 
     # ----- planning --------------------------------------------------------------------------
     def _plan(self, model: torch.nn.Module) -> list[ModulePlan]:
@@ -253,6 +265,7 @@ class FSDPCompressionState(checkpoint.StateFile):
             "world_size": self.world_size,
             "modules": [[m.name, [[p.name, list(p.shape), p.chunk_numel, p.compressed] for p in m.params]]
                         for m in self.modules],
+            **({} if self.allgather is None else {"param_codec": self.allgather.config()}),
         }
 
     def _verify_ranks(self, timeout_s: float) -> None:
@@ -362,17 +375,22 @@ class FSDPCompressionState(checkpoint.StateFile):
         ``dense_bytes`` (= ``dense_wire``): what FSDP's own ring reduce-scatter sends per rank,
         ``(n-1)/n`` of its input; ``bytes_sent`` (= ``bytes_wire``): what the all_to_all sends
         to other ranks. ``*_per_step``: divided by the most reduce-scatters of one module.
+        With ``param_codec``, the ``allgather_*`` keys of :meth:`ParamAllGather.stats` too.
         """
         s: dict[str, float] = dict(self._stats.as_dict())
         steps = max((m.calls for m in self.modules), default=0)
         s["steps"] = steps
         opts.ratio_stats(s, steps)
         s["residual_bytes"] = self.residual_bytes()
+        if self.allgather is not None:  # the parameter all-gather's counters (commpress.fsdp.allgather)
+            s.update(self.allgather.stats())
         return s
 
     def reset_stats(self) -> None:
         """Zero the counters (call counts are state, they are kept)."""
         self._stats.reset()
+        if self.allgather is not None:
+            self.allgather.reset_stats()
 
     # ----- checkpointing -------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

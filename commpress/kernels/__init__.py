@@ -6,7 +6,8 @@
 - :mod:`.backends`: the Python backends' registry;
 - :mod:`.checks`: the kernel contract, one argument check per op, run before any backend;
 - :mod:`.reference`: the pure-torch backend, each op run on its specification (:mod:`commpress.spec`);
-- :mod:`.numba_cpu`, :mod:`.cupy_cuda`: the Python backends (imported on first use).
+- :mod:`.numba_cpu`, :mod:`.cupy_cuda`: the Python backends (imported on first use);
+- :mod:`.blockint`: the int8/int4 codecs' vectorised-torch fast path (not yet a dispatcher op).
 
 Nothing here knows about codecs' wire layouts, collectives or DDP.
 """

@@ -5,7 +5,9 @@
 - :mod:`.bitpack`: LSB-first bit-field packing; :mod:`.varlen`: Elias-gamma coding of levels;
 - :mod:`.blocks`: what the block codecs' references share (fused error feedback, per-block decode);
 - :mod:`.sign`, :mod:`.qsgd`, :mod:`.topk`, :mod:`.randomk`: each codec's reference encode/decode,
-  the ``reference`` backend of :mod:`commpress.kernels` and what native, numba and CuPy are tested against.
+  the ``reference`` backend of :mod:`commpress.kernels` and what native, numba and CuPy are tested against;
+- :mod:`.blockint`: the int8/int4 codecs' reference (block absmax scales, round half to even), what
+  their fast path :mod:`commpress.kernels.blockint` is tested against bit for bit.
 
 Imports point down only: to :mod:`commpress.rng`, :mod:`commpress.dtypes` and :mod:`commpress.errors`.
 """
