@@ -10,4 +10,4 @@ echo "[commpress] mypy" >&2
 "$PY" -m mypy
 echo "[commpress] pytest" >&2
 "$PY" -m commpress info
-exec "$PY" -m pytest -q "$@"
+exec "$PY" -m pytest -q --durations=20 "$@"
