@@ -16,7 +16,7 @@ from .adam import FrozenVarianceAdam, adam_unsupported, adopt_adam, is_adam_like
 from .base import OptimizerMode
 from .choice import optimizer_mode
 from .guard import DivergenceGuard
-from .momentum import MomentumCorrection, MomentumRule, as_velocity, check_rule
+from .momentum import GAIN_MAX_DENSITY, MomentumCorrection, MomentumRule, as_velocity, check_rule, momentum_as_gain
 from .sgd import (
     GROUP_KEY,
     SGDHandover,
@@ -31,5 +31,5 @@ __all__ = [
     "DEFAULT_WARMUP_CODEC", "DEFAULT_WARMUP_STEPS", "DivergenceGuard", "FrozenVarianceAdam", "GROUP_KEY",
     "MomentumCorrection", "MomentumRule", "OptimizerMode", "SGDHandover", "Warmup", "adam_unsupported", "adopt_adam", "as_velocity",
     "check_rule", "give_back_momentum", "has_momentum", "is_adam_like", "is_sgd_like", "optimizer_mode", "resolve_warmup_codec",
-    "take_over_momentum",
+    "take_over_momentum", "GAIN_MAX_DENSITY", "momentum_as_gain",
 ]

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ..checks import check_loaded_tensor
+from ..codecs import Codec
 from ..codecs.base import all_finite
 from ..comm import Piece
 from ..feedback import ErrorFeedback, residual_dtype
@@ -95,8 +96,12 @@ class MomentumCorrection:
         self.velocity: dict[str, torch.Tensor] = {}
         self.masking = masking
 
-    def apply(self, name: str, g: torch.Tensor, *, as_gain: bool = False) -> None:
+    def apply(self, name: str, g: torch.Tensor, *, as_gain: bool = False, key: str | None = None) -> None:
         """Replace the gradient view ``g`` of parameter ``name`` by its velocity (in place).
+
+        ``key`` names the velocity (default ``name``): an adapter that reduces one parameter in
+        several views (FSDP's per-rank chunks of the flat gradient) keeps one velocity per view,
+        all under ``name``'s rule.
 
         A non-finite gradient keeps its velocity and its NaN (the collectives' non-finite policy
         then voids the step on every rank). ``as_gain``: multiply ``g`` by the rule's
@@ -118,16 +123,17 @@ class MomentumCorrection:
         rule = self.rules.get(name)
         if rule is None or not all_finite(g):
             return
+        key = name if key is None else key
         if as_gain:
             g.mul_(rule.gain)
-            u = self.velocity.pop(name, None)
+            u = self.velocity.pop(key, None)
             if u is not None:  # leaving a dense phase: nothing the velocity owes is lost
                 g.add_(u.to(g.dtype), alpha=rule.pending)
             return
-        u = self.velocity.get(name)
+        u = self.velocity.get(key)
         if u is None:  # like torch.optim.SGD: the first velocity is the gradient itself
             u = g.to(residual_dtype(g.dtype), copy=True)
-            self.velocity[name] = u
+            self.velocity[key] = u
         else:
             u.mul_(rule.momentum).add_(g, alpha=1.0 - rule.dampening)
         if rule.nesterov:
@@ -176,4 +182,28 @@ class MomentumCorrection:
         return velocity
 
 
-__all__ = ["MomentumCorrection", "MomentumRule", "as_velocity", "check_rule"]
+#: Largest density (``codec.delta(numel)``) at which a sparse codec's SGD momentum is a gain.
+GAIN_MAX_DENSITY = 0.05
+
+
+def momentum_as_gain(codec: Codec, numel: int) -> bool:
+    """True when a compressed parameter of ``numel`` elements takes SGD momentum as its gain.
+
+    That is :meth:`MomentumCorrection.apply` with ``as_gain=True`` on compressing steps: error
+    feedback on raw gradients, the optimizer at ``lr * gain`` without momentum. For value-blind
+    codecs (random-k) and sparse ones sending at most :data:`GAIN_MAX_DENSITY` of the elements
+    (top-k at ratio <= 0.05): their residual holds an element for ~1/density steps, longer than
+    the momentum remembers, and a velocity only adds inertia. Measured on DDP, digits MLP,
+    ``SGD(lr=0.1, momentum=0.9)``, top-k 1%, 5 seeds: 97.6% with the gain vs 95.6% with a
+    velocity (dense 97.7%); random-k: see :meth:`MomentumCorrection.apply`. Adapters with
+    Adam/AdamW keep a velocity (Adam's compressed momentum, :mod:`.adam`).
+    """
+    if codec.value_blind:
+        return True
+    if not codec.sparse:
+        return False
+    delta = codec.delta(numel)
+    return delta is not None and delta <= GAIN_MAX_DENSITY
+
+
+__all__ = ["GAIN_MAX_DENSITY", "MomentumCorrection", "MomentumRule", "as_velocity", "check_rule", "momentum_as_gain"]
