@@ -146,6 +146,12 @@ class ResidualStore:
             return codes.float()
         return dequantize(codes, self.scales[key], _BITS[self.kind], self.numels[key])
 
+    def drop(self, key: str) -> None:
+        """Forget ``key``'s residual (flushed into a dense step)."""
+        self.codes.pop(key, None)
+        self.scales.pop(key, None)
+        self.numels.pop(key, None)
+
     def nbytes(self) -> int:
         """Bytes held between steps."""
         return sum(t.numel() * t.element_size() for d in (self.codes, self.scales) for t in d.values())
