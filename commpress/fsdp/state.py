@@ -64,7 +64,6 @@ from torch.distributed.tensor import DTensor
 
 from .. import checkpoint, codecs, comm
 from .. import options as opts
-from . import residuals as rstore
 from ..checks import check_loaded_tensor
 from ..codecs import Codec, NoneCodec
 from ..comm import CommStats, Slot, piece_key, resolve_codec
@@ -84,6 +83,7 @@ from ..optim import (
 )
 from ..rng import derive_seed
 from ..selection import DEFAULT_MIN_NUMEL, CompressFilter, SelectionRule
+from . import residuals as rstore
 
 logger = logging.getLogger("commpress")
 

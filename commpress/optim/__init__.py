@@ -16,7 +16,14 @@ from .adam import FrozenVarianceAdam, adam_unsupported, adopt_adam, is_adam_like
 from .base import OptimizerMode
 from .choice import optimizer_mode
 from .guard import DivergenceGuard
-from .momentum import GAIN_MAX_DENSITY, MomentumCorrection, MomentumRule, as_velocity, check_rule, momentum_as_gain
+from .momentum import (
+    GAIN_MAX_DENSITY,
+    MomentumCorrection,
+    MomentumRule,
+    as_velocity,
+    check_rule,
+    momentum_as_gain,
+)
 from .sgd import (
     GROUP_KEY,
     SGDHandover,

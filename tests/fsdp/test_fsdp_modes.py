@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import fsdp_modes_workers as mw
 import pytest
 import torch
 
@@ -17,7 +18,6 @@ from commpress.errors import CodecError
 from commpress.fsdp import residuals as rstore
 
 import ddp_workers as w
-import fsdp_modes_workers as mw
 
 
 def test_bad_options_raise_clear_errors() -> None:
