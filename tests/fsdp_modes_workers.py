@@ -191,16 +191,25 @@ def train_digits_fsdp(rank: int, world: int, codec: str | None, opts: dict[str, 
 DIGITS_CASES: list[tuple[str, str | None, dict[str, Any]]] = [
     ("dense", None, {}), ("topk1%", "topk", {"ratio": 0.01}), ("sign", "sign", {}),
 ]
+#: Quantized residuals (``CASES=residuals``): what int8 / int4 storage costs in accuracy, at 2 ranks.
+RESIDUAL_CASES: list[tuple[str, str | None, dict[str, Any]]] = [
+    ("dense", None, {}),
+    *[(f"{label}-{kind}", codec, {**opts, "residual_dtype": kind})
+      for label, codec, opts in (("topk1%", "topk", {"ratio": 0.01}), ("sign", "sign", {})) for kind in ("int8", "int4")],
+]
 DIGITS_OPTIMS = {"sgd": {"lr": 0.1, "momentum": 0.9}, "adamw": {"lr": 1e-3, "betas": (0.9, 0.999), "weight_decay": 0.01}}
 
 
-def worker_digits(rank: int, world: int, out: str, epochs: int, seeds: list[int]) -> None:
-    """Accuracy per (seed, optimizer, case); written by rank 0 as JSON."""
+def worker_digits(rank: int, world: int, out: str, epochs: int, seeds: list[int], which: str = "modes",
+                  optims: tuple[str, ...] = ("sgd", "adamw")) -> None:
+    """Accuracy per (seed, optimizer, case); written by rank 0 as JSON (``which``: "modes" or "residuals")."""
     torch.set_num_threads(1)
     results: dict[str, float] = {}
+    cases = RESIDUAL_CASES if which == "residuals" else DIGITS_CASES
     for seed in seeds:
-        for tag, optim in DIGITS_OPTIMS.items():
-            for label, codec, opts in DIGITS_CASES:
+        for tag in optims:
+            optim = DIGITS_OPTIMS[tag]
+            for label, codec, opts in cases:
                 results[f"{seed}/{tag}/{label}"] = train_digits_fsdp(rank, world, codec, opts, optim, epochs, seed)
     if rank == 0:
         Path(out).write_text(json.dumps(results, indent=1))
@@ -213,5 +222,7 @@ if __name__ == "__main__":  # the measurement behind the README's numbers and th
 
     seeds = [int(s) for s in os.environ.get("SEEDS", "0,1,2,3,4").split(",")]
     target = sys.argv[1] if len(sys.argv) > 1 else "/tmp/fsdp_digits.json"
-    w.launch(worker_digits, 2, target, int(os.environ.get("EPOCHS", "12")), seeds, timeout=3000)
+    which = os.environ.get("CASES", "modes")
+    optims = tuple(os.environ.get("OPTIMS", "sgd,adamw").split(","))
+    w.launch(worker_digits, 2, target, int(os.environ.get("EPOCHS", "12")), seeds, which, optims, timeout=3000)
     print(Path(target).read_text())

@@ -71,9 +71,11 @@ def test_checkpoint_resumes_bit_exact() -> None:
 
 
 def test_digits_tracks_dense_with_the_users_sgd_and_adamw(tmp_path: Path) -> None:
-    """Digits MLP FSDP-sharded, 2 ranks, 12 epochs, seed 0: top-k 1% and sign with the user's
-    ``SGD(0.1, momentum=0.9)`` and ``AdamW(1e-3)`` within the margins measured over 5 seeds
-    (``python tests/fsdp_modes_workers.py``; README's FSDP section)."""
+    """Digits MLP FSDP-sharded, 2 ranks, 12 epochs (240 steps), seed 0: top-k 1% and sign with the
+    user's ``SGD(0.1, momentum=0.9)`` and ``AdamW(1e-3, weight_decay=0.01)`` within 3 points of dense,
+    the margin the worst of 5 seeds needs (:data:`MARGINS`; ``python tests/fsdp_modes_workers.py``).
+    Fewer epochs are not enough for top-k with AdamW: at 6 epochs (50 of 120 steps dense) its
+    seeds spread from +0.5 to -30 points."""
     pytest.importorskip("sklearn")
     out = tmp_path / "digits.json"
     w.launch(mw.worker_digits, 2, str(out), 12, [0], timeout=400)
@@ -85,5 +87,7 @@ def test_digits_tracks_dense_with_the_users_sgd_and_adamw(tmp_path: Path) -> Non
         assert value >= acc[f"{seed}/{tag}/dense"] - allowed, (key, value, acc)
 
 
-#: Allowed accuracy below dense, per optimizer (measured over 5 seeds, see the README).
-MARGINS = {"sgd": 0.015, "adamw": 0.025}
+#: Allowed accuracy below dense, per optimizer. Measured, 12 epochs, seeds 0-4 (dense / top-k 1% / sign):
+#: SGD 96.6 / 97.9 / 95.9% mean, worst gaps +0.0 (top-k) and -2.5 (sign, seed 3); AdamW 96.7 / 96.5 /
+#: 96.7%, worst gaps -2.3 (top-k, seed 4) and -1.0 (sign). Seed 0 here: -1.3 at worst (sign + SGD).
+MARGINS = {"sgd": 0.03, "adamw": 0.03}
