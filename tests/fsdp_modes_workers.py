@@ -38,19 +38,21 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, rank: int, step: int) ->
 def worker_equivalence(rank: int, world: int) -> None:
     """Nothing dropped (top-k ratio 1): the reduce-scatter's SGD momentum is SGD momentum (1e-5);
     AdamW's dense warm-up steps are FSDP + AdamW exactly; the group settings move as on DDP."""
-    for kw in ({"momentum": 0.9}, {"momentum": 0.9, "nesterov": True}, {"momentum": 0.8, "dampening": 0.5}):
-        for opts in ({"ratio": 1.0, "min_numel": 0, "dense_1d": False}, {"ratio": 1.0}):  # local velocities / + shard ones
-            ref, model = make_fsdp(), make_fsdp()
-            ref_opt, opt = _sgd(ref.parameters(), **kw), _sgd(model.parameters(), **kw)
-            state = commpress.fsdp.register(model, "topk", optimizer=opt, **opts)
-            assert_all_ranks(all(g["momentum"] == 0 and g[GROUP_KEY]["momentum"] == kw["momentum"]
-                                 for g in opt.param_groups), "momentum not moved into the reduce-scatter")
-            for step in range(6):
-                _step(ref, ref_opt, rank, step)
-                _step(model, opt, rank, step)
-            diff = float((full_params(ref) - full_params(model)).abs().max())
-            assert_all_ranks(diff < 1e-5, f"{kw} {opts}: momentum differs from SGD momentum by {diff}")
-            assert_all_ranks(state.stats()["steps"] == 6, "steps not counted")
+    every = {"ratio": 1.0, "min_numel": 0, "dense_1d": False}  # every parameter compressed: local velocities
+    mixed = {"ratio": 1.0}  # 1-D / small parameters dense: velocities on the shard too
+    for kw, opts in (({"momentum": 0.9}, every), ({"momentum": 0.9}, mixed), ({"momentum": 0.9, "nesterov": True}, mixed),
+                     ({"momentum": 0.8, "dampening": 0.5}, every)):
+        ref, model = make_fsdp(), make_fsdp()
+        ref_opt, opt = _sgd(ref.parameters(), **kw), _sgd(model.parameters(), **kw)
+        state = commpress.fsdp.register(model, "topk", optimizer=opt, **opts)
+        assert_all_ranks(all(g["momentum"] == 0 and g[GROUP_KEY]["momentum"] == kw["momentum"]
+                             for g in opt.param_groups), "momentum not moved into the reduce-scatter")
+        for step in range(6):
+            _step(ref, ref_opt, rank, step)
+            _step(model, opt, rank, step)
+        diff = float((full_params(ref) - full_params(model)).abs().max())
+        assert_all_ranks(diff < 1e-5, f"{kw} {opts}: momentum differs from SGD momentum by {diff}")
+        assert_all_ranks(state.stats()["steps"] == 6, "steps not counted")
     ref, model = make_fsdp(), make_fsdp()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
