@@ -130,6 +130,8 @@ def _resume_case(rank: int, world: int, codec: str, opts: dict[str, Any], make_o
     for step in range(3, 7):
         _step(second, opt2, rank, step)
     assert_all_ranks(torch.equal(full_params(second), expected), f"{tag}: resumed run differs")
+    if "divergence_guard" in opts:
+        assert_all_ranks(resumed.stats()["guard_fired"] > 0, f"{tag}: the guard never fired")
     bad = resumed.state_dict()
     if bad["velocity"]:
         key = next(iter(bad["velocity"]))
