@@ -15,7 +15,8 @@ Example::
     for layer in model.layers:
         fully_shard(layer)
     fully_shard(model)
-    state = commpress.fsdp.register(model, "sign", block_size=256)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = commpress.fsdp.register(model, "sign", optimizer=opt)  # its momentum moves into the reduce-scatter
     ...
     torch.save(state.state_dict(), f"commpress_rank{rank}.pt")  # residuals are per rank
 """
@@ -39,8 +40,9 @@ __all__ = [
 def register(model: torch.nn.Module, codec: str | Codec, **options: Any) -> FSDPCompressionState:
     """Install commpress's reduce-scatter on every FSDP module of ``model``; return its state.
 
-    ``options`` are those of :class:`FSDPCompressionState` plus, when ``codec`` is a name, the
-    codec's parameters (``param_codec=`` compresses the parameter all-gather). Call it on every
-    rank, after ``fully_shard`` and before the first backward pass.
+    ``options`` are those of :class:`FSDPCompressionState` (``optimizer=``, ``warmup_steps=``,
+    ``divergence_guard=``, ``residual_dtype=`` as on DDP's ``register``; ``param_codec=``
+    compresses the parameter all-gather) plus, when ``codec`` is a name, the codec's parameters.
+    Call it on every rank, after ``fully_shard`` and before the first backward pass.
     """
     return FSDPCompressionState(model, codec, **options)

@@ -17,16 +17,41 @@ gradient: ``4 (n-1)/n d`` bytes in float32, as much as an unsharded gradient -- 
 saved. Measured choices (see ``docs/benchmarks.md``):
 
 - unbiased codecs (``qsgd``, scaled ``randomk``) keep no residuals by default: 0 bytes;
-- ``residual_dtype=torch.bfloat16`` halves the residuals (``2 (n-1)/n d`` bytes); the float32
-  working copy exists only for one module during its reduce-scatter;
+- ``residual_dtype=torch.bfloat16`` halves the residuals (``2 (n-1)/n d`` bytes), ``"int8"`` /
+  ``"int4"`` store them blockwise quantized with stochastic rounding, and ``"auto"`` takes the
+  widest kind that keeps them within one gradient shard at the world size (float32 at 2 ranks,
+  bfloat16 at 3, int8 at 4, int4 up to 8: :mod:`.residuals`); the float32 working copy exists
+  only for one module during its reduce-scatter;
 - an owner-side residual cannot replace them: the error is made by the sender's encoder, and
   the owner only ever sees its decode.
+
+**The user's optimizer** (``optimizer=``, chosen by :func:`commpress.optim.optimizer_mode` as on
+DDP). Where each mode sits, given that a rank holds the full local gradient only inside the
+reduce-scatter and keeps only its shard afterwards:
+
+- SGD momentum on a parameter sent dense (1-D, small), and on every parameter during warm-up and
+  the guard's dense steps: a velocity on the *shard after the reduction*. Averaging is linear, so
+  this is SGD momentum exactly, and the velocity is shard-sized (DDP's local velocity would be a
+  full unsharded copy per rank).
+- SGD momentum on a compressed parameter of a codec that takes momentum as its gain
+  (:func:`commpress.optim.momentum_as_gain`: random-k, top-k at ratio <= (1 - momentum) / 3, the default
+  ``topk`` 1%): the gain multiplies the *reduced shard*. Scaling commutes with these codecs and
+  with error feedback (``C(a x) = a C(x)``), so it equals DDP's gain before compression, keeps the
+  residuals in gradient units, and needs no velocity at all.
+- SGD momentum on other compressed parameters (``sign``, top-k at large ratios) and Adam's
+  compressed momentum: DGC / 1-bit Adam need each rank's *local* momentum compressed through
+  error feedback (the momentum of the averaged gradient is the optimizer's own momentum on
+  error-feedback gradients, the order that measured 21.7% for sign on DDP). That velocity covers
+  the full local gradient of those parameters (one per chunk, before compression): an
+  unsharded copy per rank, the memory price of these two modes, reported in ``stats()``.
 
 The rank's own chunk is never compressed (added exactly), so it needs no residual.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -35,6 +60,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from .. import checkpoint, codecs, comm
 from .. import options as opts
@@ -45,26 +71,44 @@ from ..comm.agreement import check_same_config
 from ..comm.faults import FaultChannel
 from ..errors import CodecError, ConfigurationError
 from ..feedback import ErrorFeedback, check_state_header
+from ..optim import (
+    DivergenceGuard,
+    FrozenVarianceAdam,
+    MomentumCorrection,
+    SGDHandover,
+    Warmup,
+    adopt_adam,
+    momentum_as_gain,
+    optimizer_mode,
+)
 from ..rng import derive_seed
 from ..selection import DEFAULT_MIN_NUMEL, CompressFilter, SelectionRule
+from . import residuals as rstore
 from .allgather import ParamAllGather, resolve_param_codec
+
+logger = logging.getLogger("commpress")
 
 STATE_FORMAT = 1
 VERIFY_TIMEOUT_S = 60
 
-#: Residual dtypes on offer: float32 (exact error feedback) or bfloat16 (half the memory).
+#: Residual dtypes on offer as torch dtypes (``"int8"``, ``"int4"``, ``"auto"``: :mod:`.residuals`).
 RESIDUAL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass(frozen=True)
 class ShardPlan:
-    """One parameter of an FSDP module: name, index, global shape, numel per chunk, compressed."""
+    """One parameter of an FSDP module: name, index, global shape, numel per chunk, compressed.
+
+    ``offset``: where the parameter starts inside each chunk of the flat gradient (and inside
+    the output shard).
+    """
 
     name: str
     index: int
     shape: tuple[int, ...]
     chunk_numel: int
     compressed: bool
+    offset: int = 0
 
 
 @dataclass
@@ -80,6 +124,11 @@ class ModulePlan:
     def chunk_numel(self) -> int:
         """Elements of one chunk (one rank's shard of every parameter, padded)."""
         return sum(p.chunk_numel for p in self.params)
+
+
+def _is_plain(t: torch.Tensor) -> bool:
+    """True for a plain tensor (not an FSDP parameter's sharded DTensor)."""
+    return not isinstance(t, DTensor)
 
 
 class CompressedReduceScatter:
@@ -117,7 +166,22 @@ class FSDPCompressionState(checkpoint.StateFile):
         error_feedback: keep residuals of what compression dropped; ``None`` (default): on for
             the biased codecs (topk, sign, unscaled randomk), off for the unbiased ones (qsgd,
             scaled randomk) and never for none/fp16/bf16.
-        residual_dtype: ``torch.float32`` (default) or ``torch.bfloat16`` (half the memory).
+        residual_dtype: ``torch.float32`` (default), ``torch.bfloat16`` (half the memory),
+            ``"int8"`` / ``"int4"`` (blockwise, stochastic rounding) or ``"auto"``: the widest that
+            keeps the residuals within one gradient shard at this world size (:mod:`.residuals`).
+        optimizer: the user's optimizer (recommended with error feedback): an SGD-like one's
+            momentum moves into the reduce-scatter (the optimizer then runs without momentum;
+            ``optimizer.state_dict()`` keeps the settings), Adam/AdamW gets 1-bit Adam's
+            compressed momentum with its variance frozen after the warm-up
+            (:class:`~commpress.optim.FrozenVarianceAdam`); otherwise it runs unchanged
+            (:func:`commpress.optim.optimizer_mode`, as on DDP). The module docstring says
+            where each mode sits and what memory it costs.
+        warmup_steps: the first steps are FSDP's dense reduce-scatter before compression starts;
+            ``None`` (default): 50 where compression needs it (Adam's variance must settle;
+            value-blind codecs with error feedback), else 0 (:class:`~commpress.optim.Warmup`).
+        divergence_guard: watch ``||residuals|| / ||compressed input||`` every few steps and
+            reduce dense for a while (flushing the residuals) when it runs away; ``True``
+            (default), ``False`` or a :class:`~commpress.optim.DivergenceGuard`.
         min_numel, dense_1d, compress_filter: which parameters are compressed (the DDP rule:
             ``commpress.selection.SelectionRule`` on the full parameter shape).
         seed: base of every derived seed; torch's global RNG is never used.
@@ -135,8 +199,9 @@ class FSDPCompressionState(checkpoint.StateFile):
 
     file_what = "commpress FSDP state"
     __slots__ = (
-        "codec", "error_feedback", "residual_dtype", "seed", "world_size", "rank", "modules",
-        "feedback", "_low", "_stats", "_rule", "_group", "faults", "allgather",
+        "codec", "error_feedback", "residual_dtype", "residual_kind", "seed", "world_size", "rank", "modules",
+        "feedback", "_low", "_stats", "_rule", "_group", "faults", "step", "warmup", "guard", "correction",
+        "optimizer", "adam", "handover", "_placement", "_params", "_measured", "allgather",
     )
 
     def __init__(
@@ -145,7 +210,10 @@ class FSDPCompressionState(checkpoint.StateFile):
         codec: str | Codec,
         *,
         error_feedback: bool | None = None,
-        residual_dtype: torch.dtype = torch.float32,
+        residual_dtype: torch.dtype | str = torch.float32,
+        optimizer: torch.optim.Optimizer | None = None,
+        warmup_steps: int | None = None,
+        divergence_guard: DivergenceGuard | bool = True,
         min_numel: int = DEFAULT_MIN_NUMEL,
         dense_1d: bool = True,
         compress_filter: CompressFilter | None = None,
@@ -160,8 +228,15 @@ class FSDPCompressionState(checkpoint.StateFile):
         error_feedback = opts.error_feedback_default(error_feedback, self.codec)
         opts.check_bools(error_feedback=error_feedback, dense_1d=dense_1d, verify=verify)
         assert isinstance(error_feedback, bool)
-        if residual_dtype not in RESIDUAL_DTYPES:
-            raise CodecError(f"residual_dtype must be torch.float32 or torch.bfloat16, got {residual_dtype!r}")
+        kind = rstore.resolve_kind(residual_dtype)
+        self.warmup = Warmup(warmup_steps, "dense", needed=self.codec.value_blind and error_feedback,
+                             compressor=self.codec, where="the all_to_all")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise CodecError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(divergence_guard, bool):
+            divergence_guard = DivergenceGuard() if divergence_guard else DivergenceGuard(threshold=0.0)
+        if not isinstance(divergence_guard, DivergenceGuard):
+            raise CodecError(f"divergence_guard must be a bool or a DivergenceGuard, got {divergence_guard!r}")
         self.seed = opts.check_seed(seed)
         if compress_filter is not None and not callable(compress_filter):
             raise CodecError(f"compress_filter must be callable(name, parameter) -> bool, got {compress_filter!r}")
@@ -174,17 +249,33 @@ class FSDPCompressionState(checkpoint.StateFile):
             raise TypeError(f"model must be a torch.nn.Module after fully_shard, got {type(model).__name__}")
         opts.require_process_group()
         self.error_feedback = error_feedback
-        self.residual_dtype = residual_dtype
         self._stats = CommStats()
         self._group: Any = None
         self.modules = self._plan(model)
         self.world_size = self.modules[0].world_size
         self.rank = dist.get_rank(self._group)
+        if kind == "auto":
+            kind = rstore.auto_kind(self.world_size)
+        self.residual_kind = kind
+        #: the residual dtype as given (a torch dtype, or the kind's name for int8 / int4)
+        self.residual_dtype: torch.dtype | str = getattr(torch, kind) if kind in ("float32", "bfloat16") else kind
         self.faults = FaultChannel.of(self._group)  # one rank's failure is every rank's error
         opts.warn_unbiased_feedback(error_feedback, self.codec)
         self.feedback = self._new_feedback()
-        self._low: dict[str, torch.Tensor] = {}  # bfloat16 residuals between steps
+        self._low = rstore.ResidualStore(kind)  # residuals between steps unless float32
         self.allgather = None if param_codecs is None else ParamAllGather(model, param_codecs, self._rule, self.faults)
+        self.step = 0
+        self._measured = False
+        if self.feedback is None:  # nothing to watch without residuals (the caller's object untouched)
+            divergence_guard = dataclasses.replace(divergence_guard, threshold=0.0)
+        self.guard = divergence_guard
+        self.correction = MomentumCorrection()
+        self.optimizer = optimizer
+        self.adam: FrozenVarianceAdam | None = None
+        self.handover: SGDHandover | None = None
+        self._params = {n: p for n, p in model.named_parameters()}
+        self._placement: dict[str, str] = {}  # name -> "shard" | "gain" | "local" (see the module docstring)
+        self._adopt_optimizer(optimizer)
         if verify:
             self._verify_ranks(opts.check_timeout(verify_timeout))
         modules = {n or "<root>": m for n, m in model.named_modules() if isinstance(m, FSDPModule)}
@@ -216,6 +307,7 @@ class FSDPCompressionState(checkpoint.StateFile):
             elif dist.get_world_size(mesh) != dist.get_world_size(self._group):
                 raise ConfigurationError("FSDP modules shard over groups of different sizes")
             params = []
+            offset = 0
             for fp in group.fsdp_params:
                 p = fp.sharded_param
                 name = names.get(id(p))
@@ -229,7 +321,8 @@ class FSDPCompressionState(checkpoint.StateFile):
                         self.codec.wire_params(chunk)
                     except CodecError as exc:
                         raise CodecError(f"cannot compress {name!r} (shards of {chunk} elements): {exc}") from None
-                params.append(ShardPlan(name, index[name], tuple(p.shape), chunk, compressed))
+                params.append(ShardPlan(name, index[name], tuple(p.shape), chunk, compressed, offset))
+                offset += chunk
             plans.append(ModulePlan(label, params, dist.get_world_size(mesh)))
         if not plans:
             raise ConfigurationError(
@@ -263,6 +356,9 @@ class FSDPCompressionState(checkpoint.StateFile):
             "residual_dtype": str(self.residual_dtype),
             "seed": self.seed,
             "world_size": self.world_size,
+            **self.warmup.config(),
+            "momentum_rules": self.correction.rules_state(),
+            "adam": self.adam is not None,
             "modules": [[m.name, [[p.name, list(p.shape), p.chunk_numel, p.compressed] for p in m.params]]
                         for m in self.modules],
             **({} if self.allgather is None else {"param_codec": self.allgather.config()}),
@@ -273,6 +369,135 @@ class FSDPCompressionState(checkpoint.StateFile):
         summary = f"{self.codec!r}, residual_dtype={self.residual_dtype}, {len(self.modules)} FSDP modules"
         check_same_config(self.config(), summary=summary, group=self._group, timeout_s=timeout_s,
                           what="commpress.fsdp.register")
+
+    # ----- the user's optimizer ----------------------------------------------------------------
+    def _shard_plans(self) -> dict[str, ShardPlan]:
+        return {p.name: p for m in self.modules for p in m.params}
+
+    def _adopt_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """Take the optimizer's momentum where error feedback needs it (:func:`optimizer_mode`, as DDP)."""
+        mode = optimizer_mode(optimizer, self.codec, uses_feedback=self.uses_feedback, by_hand_momentum=0.0)
+        if mode == "unchanged":
+            return
+        assert optimizer is not None
+        plans = self._shard_plans()
+        if mode == "adam":
+            compressed = {id(self._params[n]): (n, p.chunk_numel) for n, p in plans.items() if p.compressed}
+            # masking is not built on FSDP (the residual pieces are chunks): False, not the DDP default
+            self.adam, self.warmup.steps, _ = adopt_adam(optimizer, compressed, self.codec, self.warmup.steps, False)
+            self._placement = {name: "local" for name, _ in compressed.values()}
+            return
+        self.handover = SGDHandover(
+            optimizer, {id(self._params[n]): n for n in plans}, self.correction,
+            {n: (p.chunk_numel, self._params[n].dtype) for n, p in plans.items()}, group=self._group,
+            faults=self.faults, device=lambda: torch.device("cpu"), want_optimizer=lambda: False,
+            where=lambda: f"step {self.step}",
+        )
+        # the rules are the optimizer's groups' (taken over above): the gain needs the momentum
+        rules = self.correction.rules
+        self._placement = {
+            n: ("gain" if n in rules and momentum_as_gain(self.codec, p.chunk_numel, rules[n]) else "local")
+            if p.compressed else "shard"
+            for n, p in plans.items()
+        }
+        self._localize_velocities()
+        # after the handover's own hook (which adopts the loaded buffers): make them this rank's
+        optimizer.register_load_state_dict_post_hook(lambda *_: self._localize_velocities())
+        logger.info("commpress: %s momentum moved into the FSDP reduce-scatter for %d parameters",
+                    type(optimizer).__name__, len(self.correction.rules))
+
+    def _start_adam(self) -> None:
+        """End of warm-up: Adam's variance freezes, each rank's b1 momentum is compressed from now on.
+
+        :meth:`FrozenVarianceAdam.start` on sharded parameters: every rank's local momentum starts
+        from the gathered ``exp_avg`` (a resumed run keeps the velocities it loaded).
+        """
+        assert self.adam is not None
+        self.correction.rules = self.adam.rules()
+        for name, m in sorted(self.adam.momenta().items()):
+            self.correction.velocity.setdefault(name, m)
+        self.adam.active = True
+        self._localize_velocities()
+
+    def _localize_velocities(self) -> None:
+        """Optimizer buffers (sharded DTensors, by name) -> the velocities this rank keeps.
+
+        A ``"shard"`` / ``"gain"`` parameter keeps its padded local shard; a ``"local"`` one one
+        velocity per chunk, all started from the gathered buffer (every rank alike, as DDP starts
+        every rank's velocity from the same buffer): a collective, in name order on every rank.
+        """
+        velocity = self.correction.velocity
+        plans = self._shard_plans()
+        for name in sorted(k for k, v in velocity.items() if k in plans and not _is_plain(v)):
+            v, p = velocity.pop(name), plans[name]
+            if self._placement.get(name) == "local":
+                if any(piece_key(name, j) in velocity for j in range(self.world_size)):
+                    continue  # a resumed run keeps the velocities it loaded
+                full = torch.zeros(self.world_size * p.chunk_numel, dtype=torch.float32)
+                flat = v.full_tensor().reshape(-1)  # type: ignore[attr-defined]
+                full[: flat.numel()] = flat
+                for j in range(self.world_size):
+                    velocity[piece_key(name, j)] = full[j * p.chunk_numel : (j + 1) * p.chunk_numel].clone()
+            else:
+                local = torch.zeros(p.chunk_numel, dtype=torch.float32)
+                flat = v.to_local().reshape(-1)  # type: ignore[attr-defined]
+                local[: flat.numel()] = flat
+                velocity[name] = local
+
+    def _momentum_before(self, plan: ModulePlan, input: torch.Tensor) -> None:
+        """DGC / 1-bit Adam: each ``"local"`` parameter's chunks replaced by this rank's velocity."""
+        if not self.correction.rules:
+            return
+        for j in range(plan.world_size):
+            base = j * plan.chunk_numel
+            for p in plan.params:
+                if self._placement.get(p.name) == "local":
+                    view = input[base + p.offset : base + p.offset + p.chunk_numel]
+                    self.correction.apply(p.name, view, key=piece_key(p.name, j))
+
+    def _momentum_after(self, plan: ModulePlan, output: torch.Tensor, compressing: bool) -> None:
+        """SGD momentum on the reduced shard: a velocity (``"shard"``, dense steps) or the gain (``"gain"``)."""
+        if not self.correction.rules:
+            return
+        for p in plan.params:
+            where = self._placement.get(p.name)
+            if where in ("shard", "gain"):
+                view = output[p.offset : p.offset + p.chunk_numel]
+                self.correction.apply(p.name, view, as_gain=compressing and where == "gain")
+
+    def _flush(self, slots: Sequence[Slot], input: torch.Tensor) -> None:
+        """A guard's dense step: add this rank's residuals into what it sends, and zero them."""
+        assert self.feedback is not None
+        for s in slots:
+            if s.feedback is None:
+                continue
+            e = self.feedback.residual(s.key)
+            if e is not None:
+                input[s.offset : s.offset + e.numel()].add_(e.reshape(-1).to(input.dtype))
+            self.feedback.reset(s.key)
+            self._low.drop(s.key)
+
+    def _norms_sq(self, slots: Sequence[Slot], input: torch.Tensor | None) -> float:
+        """Squared norm of the compressed slots' input, or (``input=None``) of their residuals."""
+        total = 0.0
+        for s in slots:
+            if s.feedback is None:
+                continue
+            if input is not None:
+                total += float(input[s.offset : s.offset + math.prod(s.shape)].float().pow(2).sum())
+            elif (e := s.feedback.residual(s.key)) is not None:
+                total += float(e.float().pow(2).sum())
+        return total
+
+    def _end_module(self, plan: ModulePlan, device: torch.device) -> None:
+        """After a module's reduce-scatter: at the step's last module, let the guard decide; advance ``step``."""
+        plan.calls += 1
+        if min(m.calls for m in self.modules) <= self.step:
+            return
+        if not self.warmup.active(self.step):
+            self.guard.end_step(self._measured, self._group, device)
+        self._measured = False
+        self.step += 1
 
     # ----- the reduce-scatter ------------------------------------------------------------------
     def reduce(
@@ -288,9 +513,9 @@ class FSDPCompressionState(checkpoint.StateFile):
         n = dist.get_world_size(group)
         if n != plan.world_size:
             raise ConfigurationError(f"module {plan.name!r}: reduce-scatter over {n} ranks, planned for {plan.world_size}")
-        if isinstance(self.codec, NoneCodec):  # FSDP's own reduce-scatter, through the driver (its accounting)
-            chunk = output.numel()
-            slots = [Slot(f"{plan.name}#{j}", j * chunk, (chunk,), self.codec) for j in range(n)]
+        dense = isinstance(self.codec, NoneCodec)
+        if dense:  # FSDP's own reduce-scatter, through the driver (its accounting)
+            slots = self._dense_slots(plan, output.numel(), n)
         elif input.numel() != n * plan.chunk_numel:
             raise ConfigurationError(
                 f"module {plan.name!r}: FSDP reduce-scatters {input.numel()} elements, its parameters make "
@@ -299,21 +524,39 @@ class FSDPCompressionState(checkpoint.StateFile):
             )
         else:
             slots = self._slots(plan, n)
-        working_set = self.feedback is not None and self.residual_dtype != torch.float32
+        flat_in, flat_out = input.view(-1), output.view(-1)
+        working_set = self.feedback is not None and self.residual_kind != "float32"
         # a failure here is every rank's error; a rank waiting on a failed peer raises, never hangs
         with self.faults.guarded(f"module {plan.name!r}, reduce-scatter {plan.calls}"):
+            if self.adam is not None and not self.adam.active and self.step >= self.warmup.steps:
+                self._start_adam()
+            compressing = not dense and not self.warmup.active(self.step) and not self.guard.dense_now()
+            self._momentum_before(plan, flat_in)
             if working_set:
                 self._load_working_set(slots)
-            algorithm = "reducescatter-dense" if isinstance(self.codec, NoneCodec) else "reducescatter"
-            fut = comm.run(algorithm, input.view(-1), slots, group=group, stats=self._stats,
-                           output=output.view(-1), average=average)
+            if not dense and not compressing:  # warm-up, or the guard's dense steps (flushing residuals)
+                if self.feedback is not None:
+                    self._flush(slots, flat_in)
+                slots = self._dense_slots(plan, output.numel(), n)
+            measured = compressing and self.guard.due(self.step)
+            input_sq = self._norms_sq(slots, flat_in) if measured else 0.0
+            algorithm = "reducescatter" if compressing else "reducescatter-dense"
+            fut = comm.run(algorithm, flat_in, slots, group=group, stats=self._stats,
+                           output=flat_out, average=average)
             fut.wait()
+            if measured:  # the encode above updated the residuals
+                self.guard.add(self._norms_sq(slots, None), input_sq)
+                self._measured = True
             if working_set:
-                self._store_working_set(slots)
-        plan.calls += 1
+                self._store_working_set(slots, plan.calls)
+            self._momentum_after(plan, flat_out, compressing)
+            self._end_module(plan, output.device)
         if async_op:
             return torch._C._distributed_c10d._create_work_from_future(fut)  # type: ignore[attr-defined]
         return None
+
+    def _dense_slots(self, plan: ModulePlan, chunk: int, n: int) -> list[Slot]:
+        return [Slot(f"{plan.name}#{j}", j * chunk, (chunk,), codecs.get("none")) for j in range(n)]
 
     def _slots(self, plan: ModulePlan, n: int) -> list[Slot]:
         dense = codecs.get("none")
@@ -329,26 +572,22 @@ class FSDPCompressionState(checkpoint.StateFile):
         return slots
 
     def _load_working_set(self, slots: Sequence[Slot]) -> None:
-        """bfloat16 residuals -> float32 working copies for this module's step only."""
+        """Stored residuals (bfloat16, int8, int4) -> float32 working copies for this module's step only."""
         assert self.feedback is not None
         for s in slots:
             low = self._low.get(s.key) if s.feedback is not None else None
             if low is not None:
-                self.feedback.set_residual(s.key, low.float())
+                self.feedback.set_residual(s.key, low)
 
-    def _store_working_set(self, slots: Sequence[Slot]) -> None:
-        """float32 working copies -> bfloat16 residuals (rounded to nearest); the copies are freed."""
+    def _store_working_set(self, slots: Sequence[Slot], call: int) -> None:
+        """float32 working copies -> the stored kind (bfloat16: nearest; int8/int4: stochastic); copies freed."""
         assert self.feedback is not None
-        for s in slots:
+        for i, s in enumerate(slots):
             if s.feedback is None:
                 continue
             e = self.feedback.residual(s.key)
             if e is not None:
-                low = self._low.get(s.key)
-                if low is None:
-                    self._low[s.key] = e.to(self.residual_dtype)
-                else:
-                    low.copy_(e)
+                self._low.put(s.key, e, derive_seed(self.seed, call, i, 1 << 20))
             self.feedback.reset(s.key)
 
     # ----- memory and statistics --------------------------------------------------------------
@@ -356,13 +595,25 @@ class FSDPCompressionState(checkpoint.StateFile):
         """Every residual this rank keeps between steps, by key (live tensors; clone to keep)."""
         if self.feedback is None:
             return {}
-        if self.residual_dtype != torch.float32:
-            return dict(self._low)
+        if self.residual_kind == "bfloat16":
+            return dict(self._low.codes)
+        if self.residual_kind != "float32":  # int8 / int4: float32 decodings (copies)
+            return {k: e for k in self._low.codes if (e := self._low.get(k)) is not None}
         return {k: e for k in self.feedback.keys() if (e := self.feedback.residual(k)) is not None}
 
     def residual_bytes(self) -> int:
-        """Bytes of error-feedback memory this rank keeps between steps."""
+        """Bytes of error-feedback memory this rank keeps between steps (codes and scales)."""
+        if self.feedback is not None and self.residual_kind != "float32":
+            return self._low.nbytes()
         return sum(e.numel() * e.element_size() for e in self.residuals().values())
+
+    def velocity_bytes(self) -> int:
+        """Bytes of the optimizer modes' velocities this rank keeps (shard-sized or local, see above)."""
+        return sum(v.numel() * v.element_size() for v in self.correction.velocity.values())
+
+    def shard_bytes(self) -> int:
+        """Bytes of this rank's gradient shard (every FSDP module's padded chunk, parameter dtype)."""
+        return sum(p.chunk_numel * self._params[p.name].element_size() for m in self.modules for p in m.params)
 
     @property
     def counters(self) -> CommStats:
@@ -375,6 +626,8 @@ class FSDPCompressionState(checkpoint.StateFile):
         ``dense_bytes`` (= ``dense_wire``): what FSDP's own ring reduce-scatter sends per rank,
         ``(n-1)/n`` of its input; ``bytes_sent`` (= ``bytes_wire``): what the all_to_all sends
         to other ranks. ``*_per_step``: divided by the most reduce-scatters of one module.
+        Memory: ``residual_bytes`` + ``velocity_bytes`` = ``compression_state_bytes``, against
+        ``shard_bytes`` (this rank's gradient shard); the guard's and the SGD hand-over's counters.
         With ``param_codec``, the ``allgather_*`` keys of :meth:`ParamAllGather.stats` too.
         """
         s: dict[str, float] = dict(self._stats.as_dict())
@@ -382,6 +635,12 @@ class FSDPCompressionState(checkpoint.StateFile):
         s["steps"] = steps
         opts.ratio_stats(s, steps)
         s["residual_bytes"] = self.residual_bytes()
+        s["velocity_bytes"] = self.velocity_bytes()
+        s["compression_state_bytes"] = s["residual_bytes"] + s["velocity_bytes"]
+        s["shard_bytes"] = self.shard_bytes()
+        s.update(self.guard.stats())
+        if self.handover is not None:
+            s.update(self.handover.stats())
         if self.allgather is not None:  # the parameter all-gather's counters (commpress.fsdp.allgather)
             s.update(self.allgather.stats())
         return s
@@ -408,8 +667,29 @@ class FSDPCompressionState(checkpoint.StateFile):
             "rank": self.rank,
             "seed": self.seed,
             "calls": {m.name: m.calls for m in self.modules},
-            "residuals": {k: v.detach().clone() for k, v in self.residuals().items()},
+            "residuals": self._stored_residuals(),
+            **({"residual_scales": self._low.state()[1]} if self.residual_kind in ("int8", "int4") else {}),
+            "step": self.step,
+            "momentum_rules": self.correction.rules_state(),
+            "velocity": (self.handover.velocities() if self.handover is not None
+                         else {k: v.detach().clone() for k, v in self.correction.velocity.items()}),
+            "guard": self.guard.state(),
         }
+
+    def _stored_residuals(self) -> dict[str, torch.Tensor]:
+        if self.feedback is not None and self.residual_kind != "float32":
+            return self._low.state()[0]
+        return {k: v.detach().clone() for k, v in self.residuals().items()}
+
+    def _velocity_numels(self) -> dict[str, int]:
+        """Key -> elements of every velocity this rank may keep (shard-sized, or one per chunk)."""
+        out = {}
+        for name, p in self._shard_plans().items():
+            if self._placement.get(name) == "local":
+                out.update({piece_key(name, j): p.chunk_numel for j in range(self.world_size)})
+            elif name in self._placement:
+                out[name] = p.chunk_numel
+        return out
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output after validating all of it (all or nothing)."""
@@ -430,23 +710,37 @@ class FSDPCompressionState(checkpoint.StateFile):
             raise ValueError(f"calls {calls!r} do not match this model's FSDP modules {[m.name for m in self.modules]}")
         shapes = self.residual_shapes()
         residuals = dict(state["residuals"])
-        for key, value in residuals.items():
-            if key not in shapes:
-                raise ValueError(f"residual {key!r} is not one this rank keeps")
-            if not isinstance(value, torch.Tensor) or tuple(value.shape) != shapes[key]:
-                raise ValueError(f"residual {key!r} must be a tensor of shape {shapes[key]}")
-            check_loaded_tensor(value, f"residual {key!r}", dtypes=(self.residual_dtype,))
+        low = rstore.ResidualStore(self.residual_kind)
+        if self.residual_kind == "float32":
+            for key, value in residuals.items():
+                if key not in shapes:
+                    raise ValueError(f"residual {key!r} is not one this rank keeps")
+                if not isinstance(value, torch.Tensor) or tuple(value.shape) != shapes[key]:
+                    raise ValueError(f"residual {key!r} must be a tensor of shape {shapes[key]}")
+                check_loaded_tensor(value, f"residual {key!r}", dtypes=(torch.float32,))
+        else:
+            low.load(residuals, dict(state.get("residual_scales") or {}), {k: v[0] for k, v in shapes.items()})
+        step = state.get("step", min(calls.values(), default=0))
+        if not isinstance(step, int) or not 0 <= step < 1 << 62:
+            raise ValueError(f"step must be an int in [0, 2**62), got {step!r}")
+        velocity = MomentumCorrection.load_velocities(dict(state.get("velocity") or {}), self._velocity_numels())
+        guard = dataclasses.replace(self.guard)
+        if "guard" in state:
+            guard.load(state["guard"])
         self.feedback = self._new_feedback()
-        self._low = {}
-        for key, value in residuals.items():
-            if self.residual_dtype == torch.float32:
+        self._low = low
+        if self.residual_kind == "float32":
+            for key, value in residuals.items():
                 assert self.feedback is not None
                 self.feedback.set_residual(key, value.detach().clone())
-            else:
-                self._low[key] = value.detach().clone()
         for m in self.modules:
             m.calls = int(calls[m.name])
         self.seed = seed
+        self.step = step
+        self.guard = guard
+        if self.handover is not None:
+            self.handover.take(keep_velocity=True)
+        self.correction.velocity = velocity
 
     def __repr__(self) -> str:
         return (

@@ -125,8 +125,12 @@ class MomentumCorrection:
         self.velocity: dict[str, torch.Tensor] = {}
         self.masking = masking
 
-    def apply(self, name: str, g: torch.Tensor, *, as_gain: bool = False) -> None:
+    def apply(self, name: str, g: torch.Tensor, *, as_gain: bool = False, key: str | None = None) -> None:
         """Replace the gradient view ``g`` of parameter ``name`` by its velocity (in place).
+
+        ``key`` names the velocity (default ``name``): an adapter that reduces one parameter in
+        several views (FSDP's per-rank chunks of the flat gradient) keeps one velocity per view,
+        all under ``name``'s rule.
 
         A non-finite gradient keeps its velocity and its NaN (the collectives' non-finite policy
         then voids the step on every rank). ``as_gain``: multiply ``g`` by the rule's
@@ -149,16 +153,17 @@ class MomentumCorrection:
         rule = self.rules.get(name)
         if rule is None or not all_finite(g):
             return
+        key = name if key is None else key
         if as_gain:
             g.mul_(rule.gain)
-            u = self.velocity.pop(name, None)
+            u = self.velocity.pop(key, None)
             if u is not None:  # leaving a dense phase: nothing the velocity owes is lost
                 g.add_(u.to(g.dtype), alpha=rule.pending)
             return
-        u = self.velocity.get(name)
+        u = self.velocity.get(key)
         if u is None:  # like torch.optim.SGD: the first velocity is the gradient itself
             u = g.to(residual_dtype(g.dtype), copy=True)
-            self.velocity[name] = u
+            self.velocity[key] = u
         else:
             u.mul_(rule.momentum).add_(g, alpha=1.0 - rule.dampening)
         if rule.nesterov:

@@ -1,0 +1,192 @@
+"""How the FSDP reduce-scatter keeps its error-feedback residuals between steps (``residual_dtype``).
+
+A rank compresses the ``n-1`` chunks of the flat gradient it sends, so its residuals cover
+``(n-1)/n`` of the unsharded gradient, ``(n-1) * b`` bytes per shard element at ``b`` bytes per
+residual element, against ``4`` bytes per element of its float32 gradient shard. The residual
+must stay with the sender (the error is made by the sender's encoder; the owner only sees the
+decode, so an owner-side "residual" after the reduction is not error feedback), so holding the
+residuals to one shard means storing them in fewer bits as the world grows:
+
+============  ==========================  ===================================
+kind          bytes per residual element   fits one fp32 shard up to
+============  ==========================  ===================================
+float32       4                            2 ranks
+bfloat16      2                            3 ranks
+int8          1 + 4/256 (a scale / block)  4 ranks
+int4          0.5 + 4/256                  8 ranks
+============  ==========================  ===================================
+
+``residual_dtype="auto"`` takes the widest kind that fits at the world size (:func:`auto_kind`).
+``int8`` / ``int4`` quantize each block of :data:`BLOCK` elements to its absolute maximum with
+*stochastic* rounding (seeded per step, parameter and chunk, so a resumed run is bit-exact):
+``E[stored] = residual``, so what a step's rounding loses is unbiased noise that later steps
+send, never a bias that drops small coordinates for good (nearest rounding would zero every
+element below ``max/254`` of its block at every step). Between steps only the stored form
+exists; the float32 working copy lives for one module's reduce-scatter.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..checks import check_loaded_tensor
+from ..errors import CodecError
+
+logger = logging.getLogger("commpress")
+
+#: Elements per quantization block (one float32 scale each).
+BLOCK = 256
+
+#: The kinds on offer, by name (``residual_dtype`` also takes ``torch.float32`` / ``torch.bfloat16``).
+KINDS = ("float32", "bfloat16", "int8", "int4")
+_BITS = {"int8": 8, "int4": 4}
+
+
+def resolve_kind(value: Any) -> str:
+    """``residual_dtype`` -> a kind name or ``"auto"`` (:class:`CodecError` for anything else)."""
+    if value is torch.float32 or value is torch.bfloat16:
+        return str(value).removeprefix("torch.")
+    if isinstance(value, str) and (value in KINDS or value == "auto"):
+        return value
+    raise CodecError(
+        "residual_dtype must be torch.float32, torch.bfloat16, 'int8', 'int4' or 'auto' "
+        f"(the widest that keeps the residuals within one gradient shard), got {value!r}"
+    )
+
+
+def bytes_per_element(kind: str) -> float:
+    """Stored bytes per residual element (block scales included)."""
+    return {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0 + 4.0 / BLOCK, "int4": 0.5 + 4.0 / BLOCK}[kind]
+
+
+def auto_kind(world_size: int, grad_bytes: int = 4) -> str:
+    """The widest kind whose ``(n-1)`` residual chunks fit in one shard of ``grad_bytes`` per element."""
+    for kind in KINDS:
+        if (world_size - 1) * bytes_per_element(kind) <= grad_bytes:
+            return kind
+    logger.warning("commpress: at %d ranks even int4 residuals exceed one gradient shard (%.2fx)",
+                   world_size, (world_size - 1) * bytes_per_element("int4") / grad_bytes)
+    return "int4"
+
+
+def quantize(e: torch.Tensor, bits: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blockwise absmax quantization with stochastic rounding: ``(codes, scales)``.
+
+    ``codes``: int8 in ``[-L, L]`` (``L = 2**(bits-1) - 1``), two 4-bit codes per uint8 for
+    ``bits=4``; ``scales``: float32, one per block of :data:`BLOCK`.
+    """
+    levels = (1 << (bits - 1)) - 1
+    n = e.numel()
+    blocks = -(-n // BLOCK)
+    x = torch.zeros(blocks * BLOCK, dtype=torch.float32, device=e.device)
+    x[:n] = e.reshape(-1)
+    x = x.view(blocks, BLOCK)
+    scales = x.abs().amax(1).div_(levels)
+    x.div_(torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(1))
+    gen = torch.Generator(device=e.device).manual_seed(seed & ((1 << 63) - 1))
+    x.add_(torch.rand(x.shape, generator=gen, device=e.device)).floor_().clamp_(-levels, levels)
+    codes = x.to(torch.int8).reshape(-1)
+    if bits == 4:
+        u = (codes + 8).to(torch.uint8)
+        codes = u[0::2] | (u[1::2] << 4)
+    return codes, scales
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    """Inverse of :func:`quantize`: a float32 tensor of ``numel`` elements."""
+    if bits == 4:
+        q = torch.stack(((codes & 15).to(torch.int8) - 8, (codes >> 4).to(torch.int8) - 8), 1).reshape(-1)
+    else:
+        q = codes
+    x = q.to(torch.float32).view(-1, BLOCK).mul_(scales.unsqueeze(1))
+    return x.reshape(-1)[:numel]
+
+
+def stored_shapes(kind: str, numel: int) -> dict[str, tuple[int]]:
+    """Shapes of the stored tensors of one residual of ``numel`` elements (``codes`` and ``scales``)."""
+    blocks = -(-numel // BLOCK)
+    if kind in _BITS:
+        return {"codes": (blocks * BLOCK * _BITS[kind] // 8,), "scales": (blocks,)}
+    return {"codes": (numel,)}
+
+
+class ResidualStore:
+    """Residuals between steps in their stored kind (bfloat16, int8 or int4; float32 is not stored here)."""
+
+    __slots__ = ("kind", "codes", "scales", "numels")
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.codes: dict[str, torch.Tensor] = {}
+        self.scales: dict[str, torch.Tensor] = {}
+        self.numels: dict[str, int] = {}
+
+    def put(self, key: str, e: torch.Tensor, seed: int) -> None:
+        """Store the float32 residual ``e`` of ``key`` (bfloat16: rounded to nearest, in place)."""
+        if self.kind == "bfloat16":
+            low = self.codes.get(key)
+            if low is None:
+                self.codes[key] = e.to(torch.bfloat16)
+            else:
+                low.copy_(e)
+        else:
+            self.codes[key], self.scales[key] = quantize(e, _BITS[self.kind], seed)
+        self.numels[key] = e.numel()
+
+    def get(self, key: str) -> torch.Tensor | None:
+        """The float32 working copy of ``key``'s residual (None when none is stored)."""
+        codes = self.codes.get(key)
+        if codes is None:
+            return None
+        if self.kind == "bfloat16":
+            return codes.float()
+        return dequantize(codes, self.scales[key], _BITS[self.kind], self.numels[key])
+
+    def drop(self, key: str) -> None:
+        """Forget ``key``'s residual (flushed into a dense step)."""
+        self.codes.pop(key, None)
+        self.scales.pop(key, None)
+        self.numels.pop(key, None)
+
+    def nbytes(self) -> int:
+        """Bytes held between steps."""
+        return sum(t.numel() * t.element_size() for d in (self.codes, self.scales) for t in d.values())
+
+    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Copies of the stored codes and scales (checkpoint form)."""
+        return ({k: v.detach().clone() for k, v in self.codes.items()},
+                {k: v.detach().clone() for k, v in self.scales.items()})
+
+    def load(self, codes: Mapping[str, Any], scales: Mapping[str, Any], numels: Mapping[str, int]) -> None:
+        """Validate and adopt :meth:`state` output (``numels``: the residuals this rank keeps); all or nothing."""
+        dtype = {"bfloat16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8}[self.kind]
+        new_codes, new_scales = {}, {}
+        for key, value in codes.items():
+            if key not in numels:
+                raise ValueError(f"residual {key!r} is not one this rank keeps")
+            shapes = stored_shapes(self.kind, numels[key])
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != shapes["codes"]:
+                raise ValueError(f"residual {key!r} must be a tensor of shape {shapes['codes']}")
+            if self.kind == "bfloat16":
+                check_loaded_tensor(value, f"residual {key!r}", dtypes=(dtype,))
+            elif value.dtype != dtype:
+                raise ValueError(f"residual {key!r} has dtype {value.dtype}, expected {dtype}")
+            new_codes[key] = value.detach().clone()
+            if self.kind in _BITS:
+                s = scales.get(key)
+                if not isinstance(s, torch.Tensor) or tuple(s.shape) != shapes["scales"]:
+                    raise ValueError(f"residual {key!r}: scales must be a tensor of shape {shapes['scales']}")
+                check_loaded_tensor(s, f"residual {key!r} scales", dtypes=(torch.float32,))
+                new_scales[key] = s.detach().clone()
+        if set(scales) - set(codes):
+            raise ValueError(f"residual scales without codes: {sorted(set(scales) - set(codes))}")
+        self.codes, self.scales = new_codes, new_scales
+        self.numels = {k: numels[k] for k in new_codes}
+
+
+__all__ = ["BLOCK", "KINDS", "ResidualStore", "auto_kind", "bytes_per_element", "dequantize", "quantize",
+           "resolve_kind", "stored_shapes"]

@@ -1,0 +1,232 @@
+"""Multi-rank workers for tests/fsdp/test_fsdp_modes.py: ``optimizer=``, warm-up, the guard and residual memory on FSDP2.
+
+Each worker asserts on all-gathered values (``assert_all_ranks``), so a failure fails every rank.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+
+import commpress.fsdp
+from commpress.optim import GROUP_KEY
+
+from ddp_workers import assert_all_ranks, batch
+from fsdp_workers import full_params, make_fsdp
+
+
+def _sgd(params: Any, **kw: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.05, **kw)
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, rank: int, step: int) -> None:
+    x, y = batch(rank, step)
+    opt.zero_grad(set_to_none=True)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+def worker_equivalence(rank: int, world: int) -> None:
+    """Nothing dropped (top-k ratio 1): the reduce-scatter's SGD momentum is SGD momentum (1e-5);
+    AdamW's dense warm-up steps are FSDP + AdamW exactly; the group settings move as on DDP."""
+    every = {"ratio": 1.0, "min_numel": 0, "dense_1d": False}  # every parameter compressed: local velocities
+    mixed = {"ratio": 1.0}  # 1-D / small parameters dense: velocities on the shard too
+    for kw, opts in (({"momentum": 0.9}, every), ({"momentum": 0.9}, mixed), ({"momentum": 0.9, "nesterov": True}, mixed),
+                     ({"momentum": 0.8, "dampening": 0.5}, every)):
+        ref, model = make_fsdp(), make_fsdp()
+        ref_opt, opt = _sgd(ref.parameters(), **kw), _sgd(model.parameters(), **kw)
+        state = commpress.fsdp.register(model, "topk", optimizer=opt, **opts)
+        assert_all_ranks(all(g["momentum"] == 0 and g[GROUP_KEY]["momentum"] == kw["momentum"]
+                             for g in opt.param_groups), "momentum not moved into the reduce-scatter")
+        for step in range(6):
+            _step(ref, ref_opt, rank, step)
+            _step(model, opt, rank, step)
+        diff = float((full_params(ref) - full_params(model)).abs().max())
+        assert_all_ranks(diff < 1e-5, f"{kw} {opts}: momentum differs from SGD momentum by {diff}")
+        assert_all_ranks(state.stats()["steps"] == 6, "steps not counted")
+    ref, model = make_fsdp(), make_fsdp()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    state = commpress.fsdp.register(model, "topk", optimizer=opt, ratio=0.01, warmup_steps=4)
+    assert_all_ranks(state.adam is not None and state.warmup.steps == 4, "AdamW not adopted")
+    for step in range(4):
+        _step(ref, ref_opt, rank, step)
+        _step(model, opt, rank, step)
+    assert_all_ranks(torch.equal(full_params(ref), full_params(model)), "AdamW warm-up differs from FSDP + AdamW")
+    for step in range(4, 8):  # compressed momentum with frozen variance: finite, moving, rank-consistent
+        _step(model, opt, rank, step)
+    got = full_params(model)
+    assert_all_ranks(bool(torch.isfinite(got).all()) and state.adam.active, "AdamW compressed phase failed")
+    fresh = make_fsdp()
+    default = commpress.fsdp.register(fresh, "topk", ratio=0.01, optimizer=torch.optim.AdamW(fresh.parameters()))
+    assert_all_ranks(default.warmup.steps == 50, "AdamW's default warm-up is not DDP's 50 steps")
+
+
+def worker_memory(rank: int, world: int, out: str) -> None:
+    """``residual_dtype="auto"``: compression state (residuals + velocities) <= one gradient shard,
+    for top-k 1% with the user's SGD momentum (the gain: no velocity for compressed parameters)
+    and sign with no optimizer; float32 residuals exceed it beyond 2 ranks."""
+    report = {}
+    for label, codec, opts, with_opt in (
+        ("topk1%+sgd/auto", "topk", {"ratio": 0.01, "residual_dtype": "auto"}, True),
+        ("sign/auto", "sign", {"residual_dtype": "auto"}, False),
+        ("topk1%+sgd/float32", "topk", {"ratio": 0.01}, True),
+    ):
+        model = make_fsdp()
+        opt = _sgd(model.parameters(), momentum=0.9)
+        state = commpress.fsdp.register(model, codec, optimizer=opt if with_opt else None, **opts)
+        for step in range(4):
+            _step(model, opt, rank, step)
+        s = state.stats()
+        assert_all_ranks(bool(torch.isfinite(full_params(model)).all()), f"{label}: non-finite")
+        assert_all_ranks(s["residual_bytes"] > 0 and s["compression_state_bytes"] ==
+                         s["residual_bytes"] + s["velocity_bytes"], f"{label}: {s}")
+        if "auto" in label:
+            assert_all_ranks(s["compression_state_bytes"] <= s["shard_bytes"],
+                             f"{label}: {s['compression_state_bytes']} > shard {s['shard_bytes']} at {world} ranks")
+        elif world > 2:
+            assert_all_ranks(s["compression_state_bytes"] > s["shard_bytes"], f"{label}: float32 fits?")
+        report[label] = {"kind": state.residual_kind, **{k: s[k] for k in
+                         ("residual_bytes", "velocity_bytes", "compression_state_bytes", "shard_bytes")}}
+    if rank == 0:
+        Path(out, f"memory_{world}.json").write_text(json.dumps(report, indent=1))
+
+
+def _resume_case(rank: int, world: int, codec: str, opts: dict[str, Any], make_opt: Any, tag: str) -> None:
+    """3 steps, save model shards + optimizer + commpress state, resume in fresh objects: == 7 uninterrupted."""
+    whole = make_fsdp()
+    whole_opt = make_opt(whole.parameters())
+    commpress.fsdp.register(whole, codec, optimizer=whole_opt, **copy.deepcopy(opts))  # a guard object each
+    for step in range(7):
+        _step(whole, whole_opt, rank, step)
+    expected = full_params(whole)
+
+    first = make_fsdp()
+    opt = make_opt(first.parameters())
+    state = commpress.fsdp.register(first, codec, optimizer=opt, **copy.deepcopy(opts))
+    for step in range(3):
+        _step(first, opt, rank, step)
+    buf = io.BytesIO()
+    torch.save(state.state_dict(), buf)
+    shards = {k: v.to_local().clone() for k, v in first.state_dict().items()}
+    opt_state = copy.deepcopy(opt.state_dict())
+    second = make_fsdp(seed=1)
+    for k, v in second.state_dict().items():
+        v.to_local().copy_(shards[k])
+    opt2 = make_opt(second.parameters())
+    resumed = commpress.fsdp.register(second, codec, optimizer=opt2, **copy.deepcopy(opts))
+    opt2.load_state_dict(opt_state)
+    buf.seek(0)
+    resumed.load_state_dict(torch.load(buf, weights_only=True))
+    for step in range(3, 7):
+        _step(second, opt2, rank, step)
+    assert_all_ranks(torch.equal(full_params(second), expected), f"{tag}: resumed run differs")
+    if "divergence_guard" in opts:
+        assert_all_ranks(resumed.stats()["guard_fired"] > 0, f"{tag}: the guard never fired")
+    bad = resumed.state_dict()
+    if bad["velocity"]:
+        key = next(iter(bad["velocity"]))
+        bad["velocity"] = {**bad["velocity"], key: bad["velocity"][key][:-1]}
+        try:
+            resumed.load_state_dict(bad)
+        except ValueError as exc:
+            assert_all_ranks("velocity" in str(exc), f"unclear error: {exc}")
+        else:
+            assert_all_ranks(False, f"{tag}: a velocity of the wrong size was loaded")
+
+
+def worker_checkpoints(rank: int, world: int) -> None:
+    """Bit-exact resume: sign + SGD (local velocities), top-k 1% + SGD (gain) with int8 residuals
+    and a guard step, AdamW across the end of its warm-up."""
+    guard = commpress.optim.DivergenceGuard(interval=1, threshold=0.05, dense_steps=1)
+    _resume_case(rank, world, "sign", {}, lambda p: _sgd(p, momentum=0.9), "sign+sgd")
+    _resume_case(rank, world, "topk", {"ratio": 0.01, "residual_dtype": "int8", "divergence_guard": guard},
+                 lambda p: _sgd(p, momentum=0.9, nesterov=True), "topk+sgd+int8+guard")
+    _resume_case(rank, world, "topk", {"ratio": 0.05, "warmup_steps": 2},
+                 lambda p: torch.optim.AdamW(p, lr=1e-3), "topk+adamw")
+
+
+# ----- digits: the user's SGD momentum and AdamW, FSDP-sharded --------------------------------
+def _digits(rank: int, world: int, seed: int) -> tuple[torch.Tensor, ...]:
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = torch.tensor(d.data, dtype=torch.float32) / 16
+    y = torch.tensor(d.target)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    x, y = x[perm], y[perm]
+    return x[:1400][rank::world], y[:1400][rank::world], x[1400:], y[1400:]
+
+
+def train_digits_fsdp(rank: int, world: int, codec: str | None, opts: dict[str, Any], optim: dict[str, Any],
+                      epochs: int, seed: int) -> float:
+    """Held-out accuracy of the digits MLP (tests/optim_workers.py's), every Linear and the root sharded."""
+    xtr, ytr, xte, yte = _digits(rank, world, seed)
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    opt = (torch.optim.AdamW(model.parameters(), **optim) if "betas" in optim
+           else torch.optim.SGD(model.parameters(), **optim))
+    if codec is not None:
+        commpress.fsdp.register(model, codec, optimizer=opt, **opts)
+    for _ in range(epochs):
+        for i in range(0, len(xtr), 35):
+            loss = F.cross_entropy(model(xtr[i : i + 35]), ytr[i : i + 35])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    with torch.no_grad():
+        logits = model(xte)
+    return float((logits.argmax(1) == yte).float().mean())
+
+
+DIGITS_CASES: list[tuple[str, str | None, dict[str, Any]]] = [
+    ("dense", None, {}), ("topk1%", "topk", {"ratio": 0.01}), ("sign", "sign", {}),
+]
+#: Quantized residuals (``CASES=residuals``): what int8 / int4 storage costs in accuracy, at 2 ranks.
+RESIDUAL_CASES: list[tuple[str, str | None, dict[str, Any]]] = [
+    ("dense", None, {}),
+    *[(f"{label}-{kind}", codec, {**opts, "residual_dtype": kind})
+      for label, codec, opts in (("topk1%", "topk", {"ratio": 0.01}), ("sign", "sign", {})) for kind in ("int8", "int4")],
+]
+DIGITS_OPTIMS = {"sgd": {"lr": 0.1, "momentum": 0.9}, "adamw": {"lr": 1e-3, "betas": (0.9, 0.999), "weight_decay": 0.01}}
+
+
+def worker_digits(rank: int, world: int, out: str, epochs: int, seeds: list[int], which: str = "modes",
+                  optims: tuple[str, ...] = ("sgd", "adamw")) -> None:
+    """Accuracy per (seed, optimizer, case); written by rank 0 as JSON (``which``: "modes" or "residuals")."""
+    torch.set_num_threads(1)
+    results: dict[str, float] = {}
+    cases = RESIDUAL_CASES if which == "residuals" else DIGITS_CASES
+    for seed in seeds:
+        for tag in optims:
+            optim = DIGITS_OPTIMS[tag]
+            for label, codec, opts in cases:
+                results[f"{seed}/{tag}/{label}"] = train_digits_fsdp(rank, world, codec, opts, optim, epochs, seed)
+    if rank == 0:
+        Path(out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":  # the measurement behind the README's numbers and the test's margins
+    import sys
+
+    import ddp_workers as w
+
+    seeds = [int(s) for s in os.environ.get("SEEDS", "0,1,2,3,4").split(",")]
+    target = sys.argv[1] if len(sys.argv) > 1 else "/tmp/fsdp_digits.json"
+    which = os.environ.get("CASES", "modes")
+    optims = tuple(os.environ.get("OPTIMS", "sgd,adamw").split(","))
+    w.launch(worker_digits, 2, target, int(os.environ.get("EPOCHS", "12")), seeds, which, optims, timeout=3000)
+    print(Path(target).read_text())
