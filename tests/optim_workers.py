@@ -39,15 +39,17 @@ def digits_split(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor, tor
     return x[:1400][rank::world], y[:1400][rank::world], x[1400:], y[1400:]
 
 
-def train_digits(rank: int, world: int, codec: str | None, opts: dict, epochs: int, optim: dict) -> float:
-    """Held-out accuracy of the digits MLP trained with the user's SGD, as a user registers it."""
+def train_digits(rank: int, world: int, codec: str | None, opts: dict, epochs: int, optim: dict,
+                 pass_optimizer: bool = True) -> float:
+    """Held-out accuracy of the digits MLP trained with the user's SGD, as a user registers it
+    (``pass_optimizer=False``: without ``optimizer=``, the optimizer found at its first step)."""
     xtr, ytr, xte, yte = digits_split(rank, world)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
     ddp = DDP(model, bucket_cap_mb=1)
     opt = torch.optim.AdamW(ddp.parameters(), **optim) if "betas" in optim else torch.optim.SGD(ddp.parameters(), **optim)
     if codec is not None:
-        commpress.ddp.register(ddp, codec, optimizer=opt, **opts)
+        commpress.ddp.register(ddp, codec, **({"optimizer": opt} if pass_optimizer else {}), **opts)
     for _ in range(epochs):
         for i in range(0, len(xtr), 35):
             loss = nn.functional.cross_entropy(ddp(xtr[i : i + 35]), ytr[i : i + 35])
@@ -68,6 +70,8 @@ def worker_tracks_dense(rank: int, world: int, out: str, epochs: int) -> None:
         results[f"dense/{tag}"] = train_digits(rank, world, None, {}, epochs, optim)
         for codec, opts in (("topk", {"ratio": 0.01}), ("sign", {})):
             results[f"{codec}/{tag}"] = train_digits(rank, world, codec, opts, epochs, optim)
+        if tag == "momentum":  # registered as PyTorch's hooks are, without optimizer=
+            results[f"sign-found/{tag}"] = train_digits(rank, world, "sign", {}, epochs, optim, pass_optimizer=False)
     if rank == 0:
         torch.save(results, Path(out, "acc.pt"))
 
@@ -352,3 +356,60 @@ def worker_example_mode(rank: int, world: int) -> None:
     fresh = commpress.ddp.register(make_ddp(), "none", modes=[fresh_mode])
     fresh.load_state_dict(saved)
     assert_all_ranks(fresh_mode.clipped == mode.clipped, "mode state not restored")
+
+
+def worker_discovery(rank: int, world: int) -> None:
+    """Registered without ``optimizer=``: the optimizer stepping the model is adopted after its first
+    step (its momentum buffers become velocities); ``optimizer=None``, a subset optimizer and another
+    model's optimizer are left alone."""
+    # adopted: sign + the user's SGD momentum, the optimizer built after register
+    ddp = make_ddp()
+    state = commpress.ddp.register(ddp, "sign")
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9, nesterov=True)
+    other = nn.Linear(3, 3)  # another model's optimizer stepping first is not adopted
+    other_opt = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
+    other(torch.ones(1, 3)).sum().backward()
+    other_opt.step()
+    assert state.optimizer is None and state.discovery is not None and state.discovery.pending
+    assert other_opt.param_groups[0]["momentum"] == 0.9
+    train_step(ddp, opt, rank, 0)
+    assert state.optimizer is opt and not state.discovery.pending
+    group = opt.param_groups[0]
+    assert group["momentum"] == 0 and group["commpress_momentum"]["momentum"] == 0.9, group
+    assert len(state.momentum_rules) == len(list(ddp.parameters()))
+    assert all(state.momentum_rules[n].nesterov for n in state.momentum_rules)
+    # the first step's momentum buffers are the hook's velocities now, not the optimizer's
+    assert not any("momentum_buffer" in opt.state[p] for p in ddp.parameters())
+    assert set(state.velocity) == set(state.momentum_rules)
+    for step in range(1, 6):
+        train_step(ddp, opt, rank, step)
+        assert_same_across_ranks(ddp, f"discovered step {step}")
+    # optimizer=None: the optimizer keeps its momentum
+    ddp = make_ddp()
+    state = commpress.ddp.register(ddp, "sign", optimizer=None)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    for step in range(2):
+        train_step(ddp, opt, rank, step)
+    assert state.discovery is None and not state.momentum_rules and opt.param_groups[0]["momentum"] == 0.9
+    # two optimizers over halves of the parameters: named in a warning, both left alone
+    ddp = make_ddp()
+    state = commpress.ddp.register(ddp, "topk", ratio=0.05)
+    params = list(ddp.parameters())
+    opts = [torch.optim.SGD(params[::2], lr=0.05, momentum=0.9), torch.optim.SGD(params[1::2], lr=0.05, momentum=0.9)]
+    with _captured_warnings() as warned:
+        opts[0].zero_grad()
+        opts[1].zero_grad()
+        x, y = batch(rank, 0)
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        opts[0].step()
+        opts[1].step()
+    assert any("steps" in m and "of the" in m and "optimizer=" in m for m in warned), warned
+    assert state.optimizer is None and not state.discovery.pending and not state.momentum_rules
+    assert all(o.param_groups[0]["momentum"] == 0.9 for o in opts)
+    # a bad value is a clear error
+    try:
+        commpress.ddp.register(make_ddp(), "sign", optimizer="sgd")
+    except commpress.CodecError as exc:
+        assert "optimizer must be" in str(exc), exc
+    else:
+        raise AssertionError("optimizer='sgd' was accepted")

@@ -30,15 +30,16 @@ __all__ = ["AutoPolicy", "CompressionState", "DivergenceGuard", "ParamPlan", "Ra
 
 
 def register(
-    ddp_model: Any, codec: str | Codec, *, optimizer: torch.optim.Optimizer | None = None, **options: Any
+    ddp_model: Any, codec: str | Codec, *, optimizer: torch.optim.Optimizer | str | None = "auto", **options: Any
 ) -> CompressionState:
     """Register the commpress hook on ``ddp_model`` and return its state.
 
     ``codec`` is a name, ``"auto"`` (:mod:`commpress.ddp.auto`) or a :class:`~commpress.codecs.Codec`; ``options`` are those of
-    :class:`CompressionState` plus, when ``codec`` is a name, the codec's parameters. Pass your
-    optimizer (``optimizer=opt``) so that its momentum moves into the hook where error feedback
-    needs it (:mod:`commpress.optim`). Must be called on every rank, before the first
-    backward pass.
+    :class:`CompressionState` plus, when ``codec`` is a name, the codec's parameters. Your
+    optimizer's momentum moves into the hook where error feedback needs it (:mod:`commpress.optim`):
+    pass it (``optimizer=opt``), or leave the default ``"auto"`` and the optimizer that steps the
+    model's parameters is adopted after its first step (:mod:`commpress.optim.discovery`);
+    ``optimizer=None`` leaves it alone. Must be called on every rank, before the first backward pass.
     """
     if not hasattr(ddp_model, "register_comm_hook"):
         raise TypeError(f"register needs a DistributedDataParallel model, got {type(ddp_model).__name__}")

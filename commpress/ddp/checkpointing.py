@@ -17,7 +17,13 @@ from .. import checkpoint
 from ..codecs import Codec
 from ..comm import CommStats
 from ..feedback import check_state_header
-from ..optim import DivergenceGuard, MomentumCorrection, OptimizerMode, SGDHandover
+from ..optim import (
+    DivergenceGuard,
+    MomentumCorrection,
+    OptimizerDiscovery,
+    OptimizerMode,
+    SGDHandover,
+)
 from .planning import ParamPlan
 from .residuals import ParamResiduals
 
@@ -30,6 +36,7 @@ class DDPCheckpoint(checkpoint.StateFile):
     __slots__ = (
         "codec", "algorithm", "error_feedback", "world_size", "rank", "seed", "step", "plans", "momentum",
         "correction", "handover", "optimizer", "guard", "residuals", "modes", "_stats", "_stats_from_step",
+        "discovery",
     )
     codec: Codec
     algorithm: str
@@ -43,6 +50,7 @@ class DDPCheckpoint(checkpoint.StateFile):
     correction: MomentumCorrection
     handover: SGDHandover | None
     optimizer: torch.optim.Optimizer | None
+    discovery: OptimizerDiscovery | None
     guard: DivergenceGuard
     residuals: ParamResiduals
     modes: tuple[OptimizerMode, ...]
@@ -143,7 +151,10 @@ class DDPCheckpoint(checkpoint.StateFile):
         if float(saved["momentum"]) != self.momentum:
             raise ValueError(f"momentum mismatch: checkpoint {saved['momentum']!r}, this state {self.momentum!r}")
         saved_rules = MomentumCorrection.load_rules(saved.get("momentum_rules"))
-        if self.optimizer is None and saved_rules != self.correction.rules:
+        # an optimizer still to be discovered (no optimizer= given) takes the checkpoint's rules:
+        # the resumed run's first step applies them before the optimizer is adopted
+        discovering = self.discovery is not None and self.discovery.pending
+        if self.optimizer is None and not discovering and saved_rules != self.correction.rules:
             raise ValueError(
                 "momentum rules differ from the checkpoint (it was written with optimizer=...): "
                 "register with the same optimizer settings"
@@ -171,6 +182,8 @@ class DDPCheckpoint(checkpoint.StateFile):
         if self.handover is not None and self.handover.in_optimizer:
             self.handover.take(keep_velocity=True)  # the checkpoint's velocities are the momentum now: the hook applies it
         self.correction.velocity = velocity
+        if discovering:
+            self.correction.rules = saved_rules
         self.step, self.seed = step, seed
         self._stats.load(stats.as_dict())  # in place: the collectives hold this object
         self._stats_from_step = stats_from

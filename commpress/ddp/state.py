@@ -19,10 +19,12 @@ from ..comm.faults import FaultChannel
 from ..errors import CodecError
 from ..feedback import ErrorFeedback
 from ..optim import (
+    DISCOVER,
     DivergenceGuard,
     FrozenVarianceAdam,
     MomentumCorrection,
     MomentumRule,
+    OptimizerDiscovery,
     OptimizerMode,
     SGDHandover,
     Warmup,
@@ -74,10 +76,13 @@ class CompressionState(DDPCheckpoint):
         process_group: defaults to the DDP model's process group (else the default group).
         seed: base of every derived seed (per step, parameter, piece, phase); torch's global
             RNG is never used.
-        optimizer: the user's optimizer (recommended). Where error feedback needs it, an SGD-like
-            optimizer's momentum moves into the hook (:mod:`commpress.optim.sgd`) and Adam/AdamW's
-            is compressed with its variance frozen after warm-up (:mod:`commpress.optim.adam`);
-            otherwise it runs untouched (:func:`commpress.optim.optimizer_mode` says which and why).
+        optimizer: the user's optimizer. Where error feedback needs it, an SGD-like optimizer's
+            momentum moves into the hook (:mod:`commpress.optim.sgd`) and Adam/AdamW's is
+            compressed with its variance frozen after warm-up (:mod:`commpress.optim.adam`);
+            otherwise it runs untouched (:func:`commpress.optim.optimizer_mode` says which and
+            why). ``"auto"`` (default): the optimizer that steps these parameters is adopted
+            after its first step (:mod:`commpress.optim.discovery`; not with ``codec="auto"``
+            or ``momentum=``); ``None``: the optimizer is left alone.
         momentum: DGC's momentum correction by hand (Lin et al., 2018) for an optimizer *without*
             momentum: a local velocity ``u = momentum * u + g`` per parameter is compressed
             (through error feedback) instead of ``g`` (:mod:`commpress.optim.momentum`). 0: off.
@@ -125,7 +130,7 @@ class CompressionState(DDPCheckpoint):
         compress_filter: CompressFilter | None = None,
         process_group: Any = None,
         seed: int = 0,
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: torch.optim.Optimizer | str | None = DISCOVER,
         momentum: float = 0.0,
         momentum_masking: bool | None = None,
         algorithm: str = "auto",
@@ -135,6 +140,12 @@ class CompressionState(DDPCheckpoint):
         modes: Sequence[OptimizerMode] = (),
         **codec_params: Any,
     ) -> None:
+        discover = isinstance(optimizer, str) and optimizer == DISCOVER
+        if isinstance(optimizer, str) and not discover:
+            raise CodecError(f"optimizer must be a torch.optim.Optimizer, None or {DISCOVER!r}, got {optimizer!r}")
+        if discover:
+            optimizer = None
+        assert optimizer is None or not isinstance(optimizer, str)
         auto = None
         if isinstance(codec, str) and codec == "auto":
             codec_params = dict(codec_params)
@@ -195,7 +206,14 @@ class CompressionState(DDPCheckpoint):
         if self.momentum:
             rule = MomentumRule(self.momentum)
             self.correction.rules = {name: rule for name in self.plans}
-        self._adopt_optimizer(module, optimizer, momentum_masking)
+        self.discovery: OptimizerDiscovery | None = None
+        if discover and auto is None and self.uses_feedback and not self.momentum:
+            # no optimizer= given: adopt the one that steps these parameters, after its first step
+            params = [p for n, p in module.named_parameters() if n in self.plans]
+            self.discovery = OptimizerDiscovery(
+                params, lambda opt: self._adopt_optimizer(module, opt, momentum_masking), "commpress.ddp.register")
+        else:
+            self._adopt_optimizer(module, optimizer, momentum_masking)
         first = next(module.parameters(), None)
         device = first.device if first is not None else torch.device("cpu")
         self.auto = None if auto is None else auto.bind(self._auto_inputs(), device)
@@ -295,6 +313,7 @@ class CompressionState(DDPCheckpoint):
         self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, masking: bool | None
     ) -> None:
         """Take the optimizer's momentum into the hook where error feedback needs it (:func:`optimizer_mode`)."""
+        self.optimizer = optimizer
         mode = optimizer_mode(optimizer, self.codec, uses_feedback=self.uses_feedback, by_hand_momentum=self.momentum)
         if mode == "adam":
             assert optimizer is not None

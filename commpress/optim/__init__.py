@@ -3,6 +3,7 @@
 Each mode works on parameter names and tensor views (never buckets or shards) and keeps its own
 checkpoint form and statistics; the divergence guard (:mod:`.guard`) is the template.
 
+- :mod:`.discovery`: the optimizer found at its first step when none is passed (:class:`OptimizerDiscovery`);
 - :mod:`.momentum`: DGC momentum correction and masking (:class:`MomentumCorrection`, :class:`MomentumRule`);
 - :mod:`.sgd`: the user's SGD momentum moved into the hook and handed back (:class:`SGDHandover`);
 - :mod:`.adam`: Adam/AdamW with compressed momentum and frozen variance (:class:`FrozenVarianceAdam`);
@@ -15,6 +16,7 @@ checkpoint form and statistics; the divergence guard (:mod:`.guard`) is the temp
 from .adam import FrozenVarianceAdam, adam_unsupported, adopt_adam, is_adam_like
 from .base import OptimizerMode
 from .choice import optimizer_mode
+from .discovery import DISCOVER, OptimizerDiscovery
 from .guard import DivergenceGuard
 from .momentum import (
     GAIN_MIN_WAIT,
@@ -35,7 +37,7 @@ from .sgd import (
 from .warmup import DEFAULT_WARMUP_CODEC, DEFAULT_WARMUP_STEPS, Warmup, resolve_warmup_codec
 
 __all__ = [
-    "DEFAULT_WARMUP_CODEC", "DEFAULT_WARMUP_STEPS", "DivergenceGuard", "FrozenVarianceAdam", "GAIN_MIN_WAIT", "GROUP_KEY",
+    "DISCOVER", "OptimizerDiscovery", "DEFAULT_WARMUP_CODEC", "DEFAULT_WARMUP_STEPS", "DivergenceGuard", "FrozenVarianceAdam", "GAIN_MIN_WAIT", "GROUP_KEY",
     "MomentumCorrection", "MomentumRule", "OptimizerMode", "SGDHandover", "Warmup", "adam_unsupported", "adopt_adam", "as_velocity",
     "check_rule", "give_back_momentum", "has_momentum", "is_adam_like", "is_sgd_like", "optimizer_mode", "resolve_warmup_codec",
     "momentum_as_gain", "take_over_momentum",

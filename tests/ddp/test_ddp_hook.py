@@ -80,9 +80,10 @@ def test_seeds_and_pieces_are_pure_functions() -> None:
 # ----- multi-rank ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_codec_multibucket_identical_parameters(world: int, tmp_path: Path) -> None:
-    """Every codec and algorithm, >= 4 buckets, 50 steps: no hang, bit-identical parameters after
-    every step on every rank, codec none == DDP without a hook."""
-    w.launch(w.worker_matrix, world, 50, str(tmp_path), timeout=240)
+    """Every codec and algorithm, >= 4 buckets, 50 steps (20 at 4 ranks, which share 2 cores in
+    CI): no hang, bit-identical parameters after every step on every rank, codec none == DDP
+    without a hook."""
+    w.launch(w.worker_matrix, world, 50 if world == 2 else 20, str(tmp_path), timeout=240)
     report = json.loads((tmp_path / f"matrix_{world}.json").read_text())
     assert len(report) == len(w.MATRIX_CASES)
     assert report["topk(ratio=0.01)"]["compression_ratio"] > 15

@@ -119,7 +119,8 @@ def test_value_blind_warmup_keeps_a_velocity_and_hands_it_over() -> None:
 
 @pytest.mark.parametrize("world", [2])
 def test_compressed_training_tracks_dense_with_the_users_sgd(world: int, tmp_path: Path) -> None:
-    """Digits MLP, the user's SGD (momentum 0.9, Nesterov) and AdamW: top-k 1% and sign at defaults."""
+    """Digits MLP, the user's SGD (momentum 0.9, Nesterov) and AdamW: top-k 1% and sign at defaults
+    (and sign registered without ``optimizer=``, its optimizer found at the first step)."""
     w.launch(ow.worker_tracks_dense, world, str(tmp_path), 12, timeout=600)
     acc = torch.load(tmp_path / "acc.pt", weights_only=True)
     for key, value in acc.items():
@@ -129,6 +130,10 @@ def test_compressed_training_tracks_dense_with_the_users_sgd(world: int, tmp_pat
         allowed = 0.025 if tag == "adamw" else 0.015
         assert value >= acc[f"dense/{tag}"] - allowed, (key, value, acc)
     print(acc)
+
+
+def test_optimizer_not_passed_is_adopted_after_its_first_step() -> None:
+    w.launch(ow.worker_discovery, 2, timeout=240)
 
 
 def test_checkpoint_resume_through_the_optimizer_path(tmp_path: Path) -> None:
