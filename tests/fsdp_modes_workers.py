@@ -73,11 +73,13 @@ def worker_equivalence(rank: int, world: int) -> None:
 
 def worker_memory(rank: int, world: int, out: str) -> None:
     """``residual_dtype="auto"``: compression state (residuals + velocities) <= one gradient shard,
-    for top-k 1% with the user's SGD momentum (the gain: no velocity for compressed parameters)
-    and sign with no optimizer; float32 residuals exceed it beyond 2 ranks."""
+    for random-k 1% with the user's SGD momentum (the gain: no velocity for compressed parameters)
+    and sign with no optimizer; float32 residuals exceed it beyond 2 ranks (top-k + SGD keeps a
+    local velocity too)."""
     report = {}
     for label, codec, opts, with_opt in (
-        ("topk1%+sgd/auto", "topk", {"ratio": 0.01, "residual_dtype": "auto"}, True),
+        ("randomk1%+sgd/auto", "randomk", {"ratio": 0.01, "scaled": False, "warmup_steps": 0, "residual_dtype": "auto"},
+         True),
         ("sign/auto", "sign", {"residual_dtype": "auto"}, False),
         ("topk1%+sgd/float32", "topk", {"ratio": 0.01}, True),
     ):
@@ -145,7 +147,7 @@ def _resume_case(rank: int, world: int, codec: str, opts: dict[str, Any], make_o
 
 
 def worker_checkpoints(rank: int, world: int) -> None:
-    """Bit-exact resume: sign + SGD (local velocities), top-k 1% + SGD (gain) with int8 residuals
+    """Bit-exact resume: sign + SGD (local velocities), top-k 1% + SGD (a local velocity) with int8 residuals
     and a guard step, AdamW across the end of its warm-up."""
     guard = commpress.optim.DivergenceGuard(interval=1, threshold=0.05, dense_steps=1)
     _resume_case(rank, world, "sign", {}, lambda p: _sgd(p, momentum=0.9), "sign+sgd")

@@ -384,7 +384,7 @@ class CompressionState(DDPCheckpoint):
         A parameter whose gradient is not finite keeps its velocity and its NaN gradient (the
         collectives' non-finite policy then voids the step on every rank).
 
-        Compressed parameters of a low-density sparse codec (random-k; top-k at a small ratio:
+        Compressed parameters of a value-blind codec (random-k:
         :func:`~commpress.optim.momentum_as_gain`) with SGD momentum get the
         momentum's steady-state gain instead on the steps that compress them (``compressing``;
         :meth:`~commpress.optim.MomentumCorrection.apply` says why and what was measured).

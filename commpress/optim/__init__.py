@@ -19,7 +19,6 @@ from .choice import optimizer_mode
 from .discovery import DISCOVER, OptimizerDiscovery
 from .guard import DivergenceGuard
 from .momentum import (
-    GAIN_MIN_WAIT,
     MomentumCorrection,
     MomentumRule,
     as_velocity,
@@ -37,7 +36,7 @@ from .sgd import (
 from .warmup import DEFAULT_WARMUP_CODEC, DEFAULT_WARMUP_STEPS, Warmup, resolve_warmup_codec
 
 __all__ = [
-    "DISCOVER", "OptimizerDiscovery", "DEFAULT_WARMUP_CODEC", "DEFAULT_WARMUP_STEPS", "DivergenceGuard", "FrozenVarianceAdam", "GAIN_MIN_WAIT", "GROUP_KEY",
+    "DISCOVER", "OptimizerDiscovery", "DEFAULT_WARMUP_CODEC", "DEFAULT_WARMUP_STEPS", "DivergenceGuard", "FrozenVarianceAdam", "GROUP_KEY",
     "MomentumCorrection", "MomentumRule", "OptimizerMode", "SGDHandover", "Warmup", "adam_unsupported", "adopt_adam", "as_velocity",
     "check_rule", "give_back_momentum", "has_momentum", "is_adam_like", "is_sgd_like", "optimizer_mode", "resolve_warmup_codec",
     "momentum_as_gain", "take_over_momentum",

@@ -50,12 +50,10 @@ def test_auto_residual_kind_fits_one_shard_and_quantization_is_unbiased() -> Non
 
 def test_momentum_as_gain_rule() -> None:
     gain, rule = commpress.optim.momentum_as_gain, commpress.optim.MomentumRule(0.9)
-    assert gain(commpress.codecs.get("topk", ratio=0.01), 10_000, rule)
-    assert gain(commpress.codecs.get("topk", ratio=0.03), 10_000, rule)  # waits >= 3 time constants of 10 steps
-    assert not gain(commpress.codecs.get("topk", ratio=0.05), 10_000, rule)
-    assert gain(commpress.codecs.get("topk", ratio=0.05), 10_000, commpress.optim.MomentumRule(0.8))
-    assert not gain(commpress.codecs.get("topk", ratio=0.01), 10_000, commpress.optim.MomentumRule(0.99))
-    assert gain(commpress.codecs.get("randomk", ratio=0.5), 10_000, rule)  # value-blind
+    assert gain(commpress.codecs.get("randomk", ratio=0.5, scaled=False), 10_000, rule)  # value-blind
+    assert gain(commpress.codecs.get("randomk", ratio=0.01), 10_000, rule)
+    # top-k is value-aware: the same elements can go every step (the byte LM diverged with the gain)
+    assert not gain(commpress.codecs.get("topk", ratio=0.01), 10_000, rule)
     assert not gain(commpress.codecs.get("topk", ratio=0.1), 10_000, rule)
     assert not gain(commpress.codecs.get("sign"), 10_000, rule)
 
