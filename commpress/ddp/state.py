@@ -400,9 +400,7 @@ class CompressionState(DDPCheckpoint):
 
     def _momentum_as_gain(self, plan: ParamPlan) -> bool:
         """True when ``plan``'s SGD momentum is a gain, not a velocity, on compressing steps (see above)."""
-        rule = self.correction.rules.get(plan.name)
-        return (plan.compressed and self.adam is None and rule is not None
-                and momentum_as_gain(self.codec, plan.numel, rule))
+        return plan.compressed and self.adam is None and momentum_as_gain(self.codec)
 
     def mask_momentum(self, plan: BucketPlan) -> None:
         """DGC's momentum factor masking of the bucket's compressed parameters (:meth:`MomentumCorrection.mask`)."""

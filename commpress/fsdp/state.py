@@ -34,11 +34,11 @@ reduce-scatter and keeps only its shard afterwards:
   this is SGD momentum exactly, and the velocity is shard-sized (DDP's local velocity would be a
   full unsharded copy per rank).
 - SGD momentum on a compressed parameter of a codec that takes momentum as its gain
-  (:func:`commpress.optim.momentum_as_gain`: random-k, top-k at ratio <= (1 - momentum) / 3, the default
-  ``topk`` 1%): the gain multiplies the *reduced shard*. Scaling commutes with these codecs and
+  (:func:`commpress.optim.momentum_as_gain`: the value-blind random-k): the gain multiplies the
+  *reduced shard*. Scaling commutes with these codecs and
   with error feedback (``C(a x) = a C(x)``), so it equals DDP's gain before compression, keeps the
   residuals in gradient units, and needs no velocity at all.
-- SGD momentum on other compressed parameters (``sign``, top-k at large ratios) and Adam's
+- SGD momentum on other compressed parameters (``sign``, ``topk``) and Adam's
   compressed momentum: DGC / 1-bit Adam need each rank's *local* momentum compressed through
   error feedback (the momentum of the averaged gradient is the optimizer's own momentum on
   error-feedback gradients, the order that measured 21.7% for sign on DDP). That velocity covers
@@ -393,11 +393,8 @@ class FSDPCompressionState(checkpoint.StateFile):
             faults=self.faults, device=lambda: torch.device("cpu"), want_optimizer=lambda: False,
             where=lambda: f"step {self.step}",
         )
-        # the rules are the optimizer's groups' (taken over above): the gain needs the momentum
-        rules = self.correction.rules
         self._placement = {
-            n: ("gain" if n in rules and momentum_as_gain(self.codec, p.chunk_numel, rules[n]) else "local")
-            if p.compressed else "shard"
+            n: ("gain" if momentum_as_gain(self.codec) else "local") if p.compressed else "shard"
             for n, p in plans.items()
         }
         self._localize_velocities()

@@ -63,8 +63,8 @@ class MomentumRule:
         return [self.momentum, self.dampening, self.nesterov]
 
 
-def momentum_as_gain(codec: Codec, numel: int, rule: MomentumRule) -> bool:
-    """True when a compressed parameter takes ``rule``'s SGD momentum as its gain, not a velocity.
+def momentum_as_gain(codec: Codec) -> bool:
+    """True when ``codec``'s compressed parameters take SGD momentum as its gain, not a velocity.
 
     Value-blind codecs (random-k) only: which elements they send does not depend on the values,
     so every element waits ~1/ratio steps in the residual, longer than momentum remembers
@@ -73,7 +73,7 @@ def momentum_as_gain(codec: Codec, numel: int, rule: MomentumRule) -> bool:
     the gain on top-k at ratio <= (1-m)/3: the digits MLP gained (SGD(lr=0.1, momentum=0.9), 12
     epochs, seeds 0-4: 95.6% -> 97.5%, dense 97.7%) but the demo's byte LM (the same SGD, top-k
     1%) diverged (held-out loss 2.54 -> 810.8, ``bash scripts/demo.sh``), so top-k keeps its
-    velocity. ``numel`` and ``rule`` are for rules that depend on them.
+    velocity.
     """
     return bool(codec.value_blind)
 

@@ -49,13 +49,13 @@ def test_auto_residual_kind_fits_one_shard_and_quantization_is_unbiased() -> Non
 
 
 def test_momentum_as_gain_rule() -> None:
-    gain, rule = commpress.optim.momentum_as_gain, commpress.optim.MomentumRule(0.9)
-    assert gain(commpress.codecs.get("randomk", ratio=0.5, scaled=False), 10_000, rule)  # value-blind
-    assert gain(commpress.codecs.get("randomk", ratio=0.01), 10_000, rule)
+    gain = commpress.optim.momentum_as_gain
+    assert gain(commpress.codecs.get("randomk", ratio=0.5, scaled=False))  # value-blind
+    assert gain(commpress.codecs.get("randomk", ratio=0.01))
     # top-k is value-aware: the same elements can go every step (the byte LM diverged with the gain)
-    assert not gain(commpress.codecs.get("topk", ratio=0.01), 10_000, rule)
-    assert not gain(commpress.codecs.get("topk", ratio=0.1), 10_000, rule)
-    assert not gain(commpress.codecs.get("sign"), 10_000, rule)
+    assert not gain(commpress.codecs.get("topk", ratio=0.01))
+    assert not gain(commpress.codecs.get("topk", ratio=0.1))
+    assert not gain(commpress.codecs.get("sign"))
 
 
 def test_momentum_and_adam_warmup_equal_plain_fsdp() -> None:
