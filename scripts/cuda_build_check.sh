@@ -4,8 +4,8 @@
 # lists a CUDA kernel for every op (registration only: nothing runs on a GPU).
 #
 # Run it before every change to csrc/cuda, csrc/registration.cpp or setup.py (CI does not: the
-# CUDA torch is a multi-GB install and the build alone takes minutes on 2 cores; see README,
-# "Install"). Needs a CUDA toolkit whose major version matches the CUDA torch's (nvcc 13.x for
+# CUDA torch is a multi-GB install and the build alone takes minutes on 2 cores; see docs/install.md,
+# "CUDA"). Needs a CUDA toolkit whose major version matches the CUDA torch's (nvcc 13.x for
 # the default torch); setup.py finds it by itself (CUDA_HOME, nvcc on PATH, /usr/local/cuda*).
 #
 #   bash scripts/cuda_build_check.sh
