@@ -172,6 +172,34 @@ def check_bf16_and_directions(rank: int, world: int, report: dict[str, Any]) -> 
     report["fwd-int8-bwd-none"] = {k: v for k, v in s.items() if k.startswith("allgather") and not k.endswith("_s")}
 
 
+def check_reuse(rank: int, world: int, report: dict[str, Any]) -> None:
+    """``"backward": "reuse"``: bit for bit int8 in both directions, no backward bytes, nothing kept after a step.
+
+    The backward's int8 all-gather of an unchanged shard gathers exactly the forward's bytes, so
+    decoding the kept forward frames must train identically; a no_grad forward keeps nothing, and
+    modules FSDP does not reshard after forward (the root here) keep nothing either.
+    """
+    ref = make()
+    ref_state = commpress.fsdp.register(ref, "none", param_codec="int8")
+    run(ref, rank)
+    model = make()
+    state = commpress.fsdp.register(model, "none", param_codec={"forward": "int8", "backward": "reuse"})
+    run(model, rank)
+    assert_all_ranks(torch.equal(full_params(model), full_params(ref)), "reuse is not int8/int8 bit for bit")
+    s, r = state.stats(), ref_state.stats()
+    assert_all_ranks(s["allgather_backward_calls"] == r["allgather_backward_calls"] > 0, f"backward calls {s} {r}")
+    assert_all_ranks(s["allgather_backward_bytes_sent"] == 0 < r["allgather_backward_bytes_sent"], f"backward bytes {s}")
+    assert_all_ranks(s["allgather_bytes_sent"] == s["allgather_forward_bytes_sent"] == r["allgather_forward_bytes_sent"],
+                     f"reuse sent {s['allgather_bytes_sent']}, int8's forward {r['allgather_forward_bytes_sent']}")
+    assert state.allgather is not None
+    assert_all_ranks(0 < s["allgather_kept_peak_bytes"] < s["allgather_bytes_sent"], f"kept peak {s}")
+    assert_all_ranks(all(p.kept is None for p in state.allgather.plans.values()), "frames kept after the step")
+    with torch.no_grad():
+        model(batch(rank, 0)[0])
+    assert_all_ranks(all(p.kept is None for p in state.allgather.plans.values()), "a no_grad forward kept frames")
+    report["reuse"] = {k: v for k, v in s.items() if k.startswith("allgather") and not k.endswith("_s")}
+
+
 def check_refusals(rank: int, world: int) -> None:
     """FSDP's raw uint8 all-gather refused clearly; ranks set up differently fail.
 
@@ -209,6 +237,7 @@ def worker_all(rank: int, world: int, outdir: str) -> None:
     for name in ("int8", "int4"):
         check_quantized(rank, world, name, report)
     check_bf16_and_directions(rank, world, report)
+    check_reuse(rank, world, report)
     check_refusals(rank, world)
     if rank == 0:
         (Path(outdir) / "allgather.json").write_text(json.dumps(report, indent=1))

@@ -69,6 +69,9 @@ __all__ = ["AllGatherPlan", "CompressedAllGather", "ParamAllGather", "resolve_pa
 
 #: The two directions FSDP all-gathers parameters for.
 DIRECTIONS = ("forward", "backward")
+#: ``param_codec={"forward": codec, "backward": REUSE}``: the backward decodes the frames the
+#: forward gathered (kept between them) instead of gathering again.
+REUSE = "reuse"
 
 
 def _one_codec(value: Any, what: str) -> Codec:
@@ -93,21 +96,33 @@ def _one_codec(value: Any, what: str) -> Codec:
     return codec
 
 
-def resolve_param_codec(param_codec: Any) -> dict[str, Codec] | None:
-    """``param_codec`` option -> ``{"forward": codec, "backward": codec}``, or None (FSDP's own, untouched).
+def resolve_param_codec(param_codec: Any) -> tuple[dict[str, Codec], bool] | None:
+    """``param_codec`` option -> ``({"forward": codec, "backward": codec}, reuse)``, or None (FSDP's own).
 
     Accepts None, a codec name or spec string, a :class:`Codec`, or a mapping with the keys
     ``forward`` and ``backward`` (each any of those; None there means ``"none"``, FSDP's own
-    all-gather with its bytes counted). Raises :class:`CodecError` naming the bad value.
+    all-gather with its bytes counted). ``"backward": "reuse"`` (:data:`REUSE`) keeps the
+    forward's gathered frames for the backward (``reuse`` True; the backward codec is then the
+    forward's, used only when no kept frame is there). Raises :class:`CodecError` naming the bad value.
     """
     if param_codec is None:
         return None
     if isinstance(param_codec, Mapping):
         if set(param_codec) != set(DIRECTIONS):
             raise CodecError(f"param_codec as a mapping needs exactly the keys 'forward' and 'backward', got {sorted(param_codec)}")
-        return {d: _one_codec(param_codec[d], f"param_codec[{d!r}]") for d in DIRECTIONS}
+        forward = _one_codec(param_codec["forward"], "param_codec['forward']")
+        if param_codec["backward"] == REUSE:
+            if isinstance(forward, NoneCodec):
+                raise CodecError(
+                    "param_codec: 'backward': 'reuse' keeps the forward's compressed frames; with an exact forward "
+                    "all-gather that is FSDP's reshard_after_forward=False: use that instead"
+                )
+            return {"forward": forward, "backward": forward}, True
+        return {"forward": forward, "backward": _one_codec(param_codec["backward"], "param_codec['backward']")}, False
+    if param_codec == REUSE:
+        raise CodecError("param_codec: 'reuse' is for the backward only: {'forward': 'int8', 'backward': 'reuse'}")
     codec = _one_codec(param_codec, "param_codec")
-    return dict.fromkeys(DIRECTIONS, codec)
+    return dict.fromkeys(DIRECTIONS, codec), False
 
 
 @dataclass
@@ -124,6 +139,11 @@ class AllGatherPlan:
     world_size: int
     calls: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DIRECTIONS, 0))
     layouts: dict[tuple[str, torch.dtype], FrameLayout] = field(default_factory=dict)
+    #: FSDP's parameter group (is it resharded after forward?)
+    param_group: Any = None
+    #: with ``"backward": "reuse"``: the forward's validated packets of every rank (views into
+    #: its receive buffer) and their byte count, until the backward decodes them
+    kept: tuple[FrameLayout, list[list[Any]], int] | None = None
 
     @property
     def shard_numel(self) -> int:
@@ -166,14 +186,18 @@ class ParamAllGather:
 
     STAT_KEYS = (
         "allgather_calls", "allgather_forward_calls", "allgather_backward_calls", "allgather_bytes_sent",
+        "allgather_forward_bytes_sent", "allgather_backward_bytes_sent",
         "allgather_bytes_wire", "allgather_dense_bytes", "allgather_dense_wire", "allgather_encode_s",
-        "allgather_decode_s", "allgather_wait_s",
+        "allgather_decode_s", "allgather_wait_s", "allgather_kept_peak_bytes",
     )
 
     def __init__(self, model: torch.nn.Module, codecs_by_direction: dict[str, Codec],
-                 rule: Callable[[str, torch.nn.Parameter], bool], faults: FaultChannel) -> None:
+                 rule: Callable[[str, torch.nn.Parameter], bool], faults: FaultChannel, reuse: bool = False) -> None:
         self.codecs = codecs_by_direction
+        self.reuse = reuse
         self.faults = faults
+        self._training = True  # set before every forward of the root (a no_grad forward has no backward)
+        self._kept_bytes = 0
         self._lock = threading.Lock()
         self._stats = dict.fromkeys(self.STAT_KEYS, 0.0)
         self.plans = self._plan(model, rule)
@@ -194,7 +218,7 @@ class ParamAllGather:
                 numels.append(math.prod(fp.padded_sharded_param_size))
                 compressed.append(p.numel() > 0 and bool(rule(name, p)))
             size = dist.get_world_size(getattr(group.mesh_info, "shard_process_group"))
-            plans[label] = AllGatherPlan(label, pnames, numels, compressed, size)
+            plans[label] = AllGatherPlan(label, pnames, numels, compressed, size, param_group=group)
         return plans
 
     def install(self, model: torch.nn.Module) -> None:
@@ -202,10 +226,17 @@ class ParamAllGather:
         for label, module in ((n or "<root>", m) for n, m in model.named_modules() if isinstance(m, FSDPModule)):
             if label in self.plans:
                 module.set_custom_all_gather(CompressedAllGather(self, self.plans[label]))  # type: ignore[arg-type]
+        if self.reuse:
+            # before FSDP's own pre-forward (prepend): FSDP all-gathers under no_grad, so whether a
+            # backward will follow is only visible at the root's entry
+            model.register_forward_pre_hook(self._before_forward, prepend=True)
+
+    def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
+        self._training = torch.is_grad_enabled()
 
     def config(self) -> dict[str, Any]:
         """What all ranks must agree on (plain types)."""
-        return {d: c.config() for d, c in self.codecs.items()}
+        return {**{d: c.config() for d, c in self.codecs.items()}, **({"reuse": True} if self.reuse else {})}
 
     # ----- the all-gather ---------------------------------------------------------------------
     @staticmethod
@@ -214,14 +245,33 @@ class ParamAllGather:
         return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
 
     def _layout(self, plan: AllGatherPlan, direction: str, dtype: torch.dtype) -> FrameLayout:
+        """The frame: one packet per quantised parameter, then one for all the exact ones together.
+
+        The exact parameters (biases, norms: many small tensors) travel as one ``none`` packet,
+        so a block's frame has a handful of packets instead of one per tensor (each costs a
+        header written, parsed and checked per rank).
+        """
         key = (direction, dtype)
         layout = plan.layouts.get(key)
         if layout is None:
-            codec, dense = self.codecs[direction], codecs.get("none")
-            entries = [(n, codec if c else dense, k) for n, k, c in zip(plan.names, plan.numels, plan.compressed)]
+            codec = self.codecs[direction]
+            entries: list[tuple[Any, Codec, int]] = [
+                (n, codec, k) for n, k, c in zip(plan.names, plan.numels, plan.compressed) if c]
+            exact = sum(k for k, c in zip(plan.numels, plan.compressed) if not c)
+            if exact:
+                entries.append(("exact parameters", codecs.get("none"), exact))
             layout = plan.layouts[key] = FrameLayout(entries, dtype, flags=False, what="all-gather frame",
                                                      entry="parameter")
         return layout
+
+    @staticmethod
+    def _pieces(plan: AllGatherPlan, flat: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``flat`` (one rank's shard) cut into the quantised parameters' pieces and the exact ones'."""
+        quantised, exact, off = [], [], 0
+        for k, c in zip(plan.numels, plan.compressed):
+            (quantised if c else exact).append(flat[off : off + k])
+            off += k
+        return quantised, exact
 
     def _check(self, plan: AllGatherPlan, output: torch.Tensor, input: torch.Tensor, n: int) -> None:
         if input.dtype == torch.uint8:
@@ -261,40 +311,64 @@ class ParamAllGather:
             plan.calls[direction] += 1
             return
         self._check(plan, output, input, n)
+        kept, plan.kept = plan.kept, None  # a forward replaces it; a backward uses it once
+        if kept is not None:
+            self._kept_bytes -= kept[2]
+        layout = self._layout(plan, "forward" if self.reuse else direction, input.dtype)  # reuse: one codec
+        if direction == "backward" and kept is not None and kept[0] is layout:
+            t0 = time.perf_counter()  # the forward's frames, validated when they arrived: no collective
+            with self.faults.guarded(where):
+                self._decode(layout, plan, kept[1], output)
+            self._count(direction, 0, dense_bytes, n, decode_s=time.perf_counter() - t0)
+            plan.calls[direction] += 1
+            return
         with self.faults.guarded(where):
             t0 = time.perf_counter()
-            layout = self._layout(plan, direction, input.dtype)
-            flat = input.view(-1)
-            packets, off = [], 0
-            for c, k, name in zip(layout.codecs, plan.numels, plan.names):
+            quantised, exact = self._pieces(plan, input.view(-1))
+            packets = []
+            for c, piece, name in zip(layout.codecs, quantised, layout.keys):
                 try:
-                    packets.append(c.encode(flat[off : off + k]))  # type: ignore[attr-defined]
+                    packets.append(c.encode(piece))  # type: ignore[attr-defined]
                 except NonFiniteError:
                     raise NonFiniteError(
                         f"parameter {name!r}: this rank's shard contains NaN or Inf, which {c.name} cannot encode"
                     ) from None
-                off += k
+            if exact:
+                try:
+                    packets.append(layout.codecs[-1].encode(torch.cat(exact)))  # type: ignore[attr-defined]
+                except NonFiniteError:
+                    names = [n for n, c in zip(plan.names, plan.compressed) if not c]
+                    raise NonFiniteError(
+                        f"this rank's shard of the exact parameters {names} contains NaN or Inf"
+                    ) from None
             send = layout.pack(packets, device=input.device)
             recv = torch.empty(n * layout.nbytes, dtype=torch.uint8, device=input.device)
             t1 = time.perf_counter()
             wait(dist.all_gather_single(recv, send, group=group, async_op=True), input.device)
             t2 = time.perf_counter()
-            out = output.view(-1)
-            for j in range(n):
-                got = layout.unpack(recv[j * layout.nbytes : (j + 1) * layout.nbytes], source=j)
-                base = j * plan.shard_numel
-                off = 0
-                for c, k, p in zip(layout.codecs, plan.numels, got):
-                    assert p is not None
-                    piece = out[base + off : base + off + k]
-                    if isinstance(c, NoneCodec):
-                        piece.copy_(p.sections["values"])  # exact (a -0.0 stays -0.0)
-                    else:
-                        c.decode(p, out=piece)  # type: ignore[attr-defined]
-                    off += k
+            me = dist.get_rank(group)  # its own packets need no parsing: they are what it sent
+            got = [packets if j == me else layout.unpack(recv[j * layout.nbytes : (j + 1) * layout.nbytes], source=j)
+                   for j in range(n)]
+            self._decode(layout, plan, got, output)
             t3 = time.perf_counter()
+        if self.reuse and direction == "forward" and self._training and plan.param_group._reshard_after_forward:
+            plan.kept = (layout, got, recv.numel())
+            self._kept_bytes += recv.numel()
+            with self._lock:
+                self._stats["allgather_kept_peak_bytes"] = max(self._stats["allgather_kept_peak_bytes"],
+                                                               self._kept_bytes)
         self._count(direction, layout.nbytes, dense_bytes, n, encode_s=t1 - t0, wait_s=t2 - t1, decode_s=t3 - t2)
         plan.calls[direction] += 1
+
+    def _decode(self, layout: FrameLayout, plan: AllGatherPlan, got: list[list[Any]], output: torch.Tensor) -> None:
+        """Every rank's validated packets into ``output`` (rank ``j``'s shard at ``j * shard_numel``)."""
+        out = output.view(-1)
+        for j, packets in enumerate(got):
+            quantised, exact = self._pieces(plan, out[j * plan.shard_numel : (j + 1) * plan.shard_numel])
+            for c, piece, p in zip(layout.codecs, quantised, packets):
+                c.decode(p, out=piece)  # type: ignore[attr-defined]
+            if exact:  # the last packet: the exact parameters, concatenated
+                torch.split_with_sizes_copy(packets[-1].sections["values"], [t.numel() for t in exact], out=exact)
 
     # ----- statistics -------------------------------------------------------------------------
     def _count(self, direction: str, sent: int, dense: int, n: int, *, encode_s: float = 0.0, decode_s: float = 0.0,
@@ -304,6 +378,7 @@ class ParamAllGather:
             s["allgather_calls"] += 1
             s[f"allgather_{direction}_calls"] += 1
             s["allgather_bytes_sent"] += sent
+            s[f"allgather_{direction}_bytes_sent"] += sent
             s["allgather_bytes_wire"] += (n - 1) * sent
             s["allgather_dense_bytes"] += dense
             s["allgather_dense_wire"] += (n - 1) * dense
@@ -319,7 +394,10 @@ class ParamAllGather:
         that; ``allgather_dense_bytes`` / ``allgather_dense_wire``: the same for FSDP's own
         all-gather of the shard in its dtype; ``allgather_compression_ratio``: dense / sent.
         Forward and backward all-gathers both count (``allgather_calls``, split in
-        ``allgather_forward_calls`` / ``allgather_backward_calls``).
+        ``allgather_forward_calls`` / ``allgather_backward_calls``, and the bytes in
+        ``allgather_forward_bytes_sent`` / ``allgather_backward_bytes_sent``: zero for a backward
+        that reuses the forward's frames). ``allgather_kept_peak_bytes``: the most bytes of
+        forward frames kept for the backward at once (``"backward": "reuse"``; since the last reset).
         """
         with self._lock:
             s = dict(self._stats)
@@ -329,6 +407,7 @@ class ParamAllGather:
         return s
 
     def reset_stats(self) -> None:
-        """Zero the counters (call counts in the plans are kept)."""
+        """Zero the counters (call counts in the plans are kept; the kept-frames peak restarts from now)."""
         with self._lock:
             self._stats = dict.fromkeys(self.STAT_KEYS, 0.0)
+            self._stats["allgather_kept_peak_bytes"] = self._kept_bytes

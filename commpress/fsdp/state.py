@@ -263,7 +263,8 @@ class FSDPCompressionState(checkpoint.StateFile):
         opts.warn_unbiased_feedback(error_feedback, self.codec)
         self.feedback = self._new_feedback()
         self._low = rstore.ResidualStore(kind)  # residuals between steps unless float32
-        self.allgather = None if param_codecs is None else ParamAllGather(model, param_codecs, self._rule, self.faults)
+        self.allgather = None if param_codecs is None else ParamAllGather(model, param_codecs[0], self._rule,
+                                                                          self.faults, reuse=param_codecs[1])
         self.step = 0
         self._measured = False
         if self.feedback is None:  # nothing to watch without residuals (the caller's object untouched)

@@ -35,6 +35,8 @@ import misuse_workers as mw
         (3, "must be None, a codec name"),
         ({"forward": "int8"}, "exactly the keys 'forward' and 'backward'"),
         ({"forward": "int8", "backward": 1.5}, r"param_codec\['backward'\] must be None"),
+        ({"forward": "none", "backward": "reuse"}, "reshard_after_forward=False"),
+        ("reuse", "for the backward only"),
     ],
 )
 def test_bad_param_codec_raises_clear_errors(value: object, match: str) -> None:
@@ -45,9 +47,12 @@ def test_bad_param_codec_raises_clear_errors(value: object, match: str) -> None:
 def test_param_codec_forms() -> None:
     assert resolve_param_codec(None) is None
     both = resolve_param_codec("int4:block_size=128")
-    assert both is not None and both["forward"] == both["backward"] == commpress.codecs.get("int4", block_size=128)
+    assert both is not None and not both[1]
+    assert both[0]["forward"] == both[0]["backward"] == commpress.codecs.get("int4", block_size=128)
     split = resolve_param_codec({"forward": commpress.codecs.get("int8"), "backward": None})
-    assert split is not None and split["backward"].name == "none" and split["forward"].name == "int8"
+    assert split is not None and split[0]["backward"].name == "none" and split[0]["forward"].name == "int8"
+    reuse = resolve_param_codec({"forward": "int8", "backward": "reuse"})
+    assert reuse is not None and reuse[1] and reuse[0]["backward"] == reuse[0]["forward"] == commpress.codecs.get("int8")
 
 
 def test_compressed_allgather_on_two_ranks(tmp_path: Path) -> None:
