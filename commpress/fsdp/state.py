@@ -176,9 +176,12 @@ class FSDPCompressionState(checkpoint.StateFile):
             (:class:`~commpress.optim.FrozenVarianceAdam`); otherwise it runs unchanged
             (:func:`commpress.optim.optimizer_mode`, as on DDP). The module docstring says
             where each mode sits and what memory it costs.
-        warmup_steps: the first steps are FSDP's dense reduce-scatter before compression starts;
+        warmup_steps: the first steps are reduced by ``warmup_codec`` before compression starts;
             ``None`` (default): 50 where compression needs it (Adam's variance must settle;
             value-blind codecs with error feedback), else 0 (:class:`~commpress.optim.Warmup`).
+        warmup_codec: how the warm-up steps are reduced: an unbiased codec or a cast through the
+            all_to_all (no residuals), default 8-bit QSGD (a quarter of FSDP's float32 bytes, as
+            on DDP); ``"dense"``: FSDP's own reduce-scatter.
         divergence_guard: watch ``||residuals|| / ||compressed input||`` every few steps and
             reduce dense for a while (flushing the residuals) when it runs away; ``True``
             (default), ``False`` or a :class:`~commpress.optim.DivergenceGuard`.
@@ -213,6 +216,7 @@ class FSDPCompressionState(checkpoint.StateFile):
         residual_dtype: torch.dtype | str = torch.float32,
         optimizer: torch.optim.Optimizer | None = None,
         warmup_steps: int | None = None,
+        warmup_codec: str | Codec | None = None,
         divergence_guard: DivergenceGuard | bool = True,
         min_numel: int = DEFAULT_MIN_NUMEL,
         dense_1d: bool = True,
@@ -229,7 +233,7 @@ class FSDPCompressionState(checkpoint.StateFile):
         opts.check_bools(error_feedback=error_feedback, dense_1d=dense_1d, verify=verify)
         assert isinstance(error_feedback, bool)
         kind = rstore.resolve_kind(residual_dtype)
-        self.warmup = Warmup(warmup_steps, "dense", needed=self.codec.value_blind and error_feedback,
+        self.warmup = Warmup(warmup_steps, warmup_codec, needed=self.codec.value_blind and error_feedback,
                              compressor=self.codec, where="the all_to_all")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise CodecError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -532,13 +536,14 @@ class FSDPCompressionState(checkpoint.StateFile):
             self._momentum_before(plan, flat_in)
             if working_set:
                 self._load_working_set(slots)
+            warm = None if dense else self.warmup.codec_now(self.step)  # warm-up through an unbiased codec
             if not dense and not compressing:  # warm-up, or the guard's dense steps (flushing residuals)
                 if self.feedback is not None:
                     self._flush(slots, flat_in)
-                slots = self._dense_slots(plan, output.numel(), n)
+                slots = self._dense_slots(plan, output.numel(), n) if warm is None else self._slots(plan, n, warm)
             measured = compressing and self.guard.due(self.step)
             input_sq = self._norms_sq(slots, flat_in) if measured else 0.0
-            algorithm = "reducescatter" if compressing else "reducescatter-dense"
+            algorithm = "reducescatter" if compressing or warm is not None else "reducescatter-dense"
             fut = comm.run(algorithm, flat_in, slots, group=group, stats=self._stats,
                            output=flat_out, average=average)
             fut.wait()
@@ -556,15 +561,17 @@ class FSDPCompressionState(checkpoint.StateFile):
     def _dense_slots(self, plan: ModulePlan, chunk: int, n: int) -> list[Slot]:
         return [Slot(f"{plan.name}#{j}", j * chunk, (chunk,), codecs.get("none")) for j in range(n)]
 
-    def _slots(self, plan: ModulePlan, n: int) -> list[Slot]:
+    def _slots(self, plan: ModulePlan, n: int, warm: Codec | None = None) -> list[Slot]:
+        """The chunks' slots: the compressed parameters through the codec (``warm``: the warm-up's, no residuals)."""
         dense = codecs.get("none")
+        codec = self.codec if warm is None else warm
         slots = []
         off = 0
         for j in range(n):
             for p in plan.params:
                 seed = derive_seed(self.seed, plan.calls, p.index)
-                fb = self.feedback if p.compressed and j != self.rank else None
-                slots.append(Slot(piece_key(p.name, j), off, (p.chunk_numel,), self.codec if p.compressed else dense,
+                fb = self.feedback if p.compressed and j != self.rank and warm is None else None
+                slots.append(Slot(piece_key(p.name, j), off, (p.chunk_numel,), codec if p.compressed else dense,
                                   seed, fb))
                 off += p.chunk_numel
         return slots
