@@ -1,0 +1,50 @@
+"""``FSDPCompressionState`` in ``torch.distributed.checkpoint`` (tests/fsdp_dcp_workers.py): gloo on CPU.
+
+A top-k run with error feedback and the user's SGD momentum saved with ``dcp.save`` next to the
+model and optimizer resumes in fresh processes bit for bit; another codec or world size is refused
+with an error naming it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import fsdp_dcp_workers as dw
+import torch
+
+import commpress.fsdp
+from commpress.fsdp.dcp import HEADER_NBYTES, _decode_header, _encode_header
+
+import ddp_workers as w
+
+
+def test_header_round_trips_and_refuses_garbage() -> None:
+    header = {"dcp_format": 1, "codec": {"name": "topk", "ratio": 0.1}, "seed": (1 << 64) - 1, "guard": [0, 1, 2, 0.25]}
+    t = _encode_header(header)
+    assert t.dtype == torch.uint8 and t.shape == (HEADER_NBYTES,)
+    assert _decode_header(t) == header
+    for bad, match in ((t[:10], "uint8 tensor"), (torch.full((HEADER_NBYTES,), 255, dtype=torch.uint8), "not valid JSON"),
+                       (_encode_header({"dcp_format": 2}), "format 2")):
+        try:
+            _decode_header(bad)
+        except ValueError as exc:
+            assert match in str(exc), exc
+        else:
+            raise AssertionError(f"accepted {match}")
+
+
+def test_dcp_resume_is_bit_exact_in_fresh_processes(tmp_path: Path) -> None:
+    """K steps, dcp.save, N steps; fresh processes dcp.load and run the N steps: the same parameters
+    on every rank, the residuals and velocities back; a sign state and a 1-rank group refuse it."""
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path)
+    w.launch(dw.worker_save, 2, ckpt, out, timeout=120)
+    w.launch(dw.worker_resume, 2, ckpt, out, timeout=120)
+    w.launch(dw.worker_other_world, 1, ckpt, timeout=60)
+
+
+def test_state_is_not_itself_the_dcp_form() -> None:
+    """The per-rank file form stays the state's own ``state_dict``; ``dcp()`` is the Stateful for DCP."""
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    assert issubclass(commpress.fsdp.DCPState, Stateful)
+    assert hasattr(commpress.fsdp.FSDPCompressionState, "dcp")

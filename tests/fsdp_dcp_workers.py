@@ -1,0 +1,123 @@
+"""Multi-rank workers for tests/fsdp/test_fsdp_dcp.py: ``FSDPCompressionState`` in ``torch.distributed.checkpoint``.
+
+``worker_save`` trains, saves model + optimizer + commpress with ``dcp.save`` and keeps going;
+``worker_resume`` (fresh processes) loads it and must end on the same parameters bit for bit;
+``worker_other_world`` loads it at another world size. Each worker asserts on all-gathered
+values (``assert_all_ranks``), so a failure fails every rank.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+
+import commpress.fsdp
+from commpress.errors import CodecError
+
+from ddp_workers import assert_all_ranks, batch
+from fsdp_workers import full_params, make_fsdp
+
+SAVED_STEPS = 3  # K: steps before dcp.save
+MORE_STEPS = 3  # N: steps after it
+CODEC: dict[str, Any] = {"codec": "topk", "ratio": 0.1}  # biased: residuals, and the user's SGD momentum moved in
+
+
+def _setup(seed: int = 0, codec: dict[str, Any] = CODEC) -> tuple[nn.Module, torch.optim.Optimizer,
+                                                                   commpress.fsdp.FSDPCompressionState]:
+    model = make_fsdp(seed)  # every Linear fully_shard-ed, then the root
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    kw = dict(codec)
+    state = commpress.fsdp.register(model, kw.pop("codec"), optimizer=opt, **kw)
+    return model, opt, state
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, rank: int, step: int) -> None:
+    x, y = batch(rank, step)
+    opt.zero_grad(set_to_none=True)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+def _checkpoint(model: nn.Module, opt: torch.optim.Optimizer, state: Any) -> dict[str, Any]:
+    """What the user hands to ``dcp.save`` / ``dcp.load``."""
+    return {"model": model.state_dict(), "optim": opt.state_dict(), "commpress": state.dcp()}
+
+
+def _residual_norms(state: commpress.fsdp.FSDPCompressionState) -> dict[str, float]:
+    return {k: float(v.double().norm()) for k, v in sorted(state.residuals().items())}
+
+
+def worker_save(rank: int, world: int, ckpt: str, out: str) -> None:
+    """K steps, ``dcp.save``, N more: the uninterrupted run's residuals and final parameters to ``out``."""
+    model, opt, state = _setup()
+    for step in range(SAVED_STEPS):
+        _step(model, opt, rank, step)
+    norms = _residual_norms(state)
+    assert_all_ranks(bool(norms) and all(v > 0 for v in norms.values()), f"no residuals to save: {norms}")
+    assert_all_ranks(bool(state.correction.velocity), "the SGD momentum was not moved into commpress")
+    dcp.save(_checkpoint(model, opt, state), checkpoint_id=ckpt)
+    saved = {"residuals": {k: v.clone() for k, v in state.residuals().items()},
+             "velocity": {k: v.clone() for k, v in state.correction.velocity.items()}, "step": state.step}
+    for step in range(SAVED_STEPS, SAVED_STEPS + MORE_STEPS):
+        _step(model, opt, rank, step)
+    saved["local"] = [p.detach().to_local().clone() for p in model.parameters()]  # type: ignore[operator]
+    saved["full"] = full_params(model)
+    torch.save(saved, Path(out, f"expected_{rank}.pt"))
+
+
+def worker_resume(rank: int, world: int, ckpt: str, out: str) -> None:
+    """Fresh processes: ``dcp.load`` into a differently initialised model, N steps == the uninterrupted run."""
+    expected = torch.load(Path(out, f"expected_{rank}.pt"), weights_only=True)
+    keys = set(dcp.FileSystemReader(ckpt).read_metadata().state_dict_metadata)
+    assert_all_ranks({f"commpress.rank{r}_of_{world}.header" for r in range(world)} <= keys,
+                     f"commpress entries not namespaced per rank: {sorted(k for k in keys if 'commpress' in k)}")
+    model, opt, state = _setup(seed=1)  # other initial parameters: the load must bring them
+    assert_all_ranks(not state.residuals(), "a fresh state already holds residuals")
+    sd = _checkpoint(model, opt, state)
+    dcp.load(sd, checkpoint_id=ckpt)
+    model.load_state_dict(sd["model"])
+    opt.load_state_dict(sd["optim"])
+    got = state.residuals()
+    assert_all_ranks(sorted(got) == sorted(expected["residuals"]) and all(
+        torch.equal(got[k], v) for k, v in expected["residuals"].items()), "residuals did not come back")
+    assert_all_ranks(_residual_norms(state) == {k: float(v.double().norm()) for k, v in
+                                                sorted(expected["residuals"].items())}, "residual norms differ")
+    assert_all_ranks(all(v > 0 for v in _residual_norms(state).values()), "loaded residuals are zero")
+    velocity = state.correction.velocity
+    assert_all_ranks(sorted(velocity) == sorted(expected["velocity"]) and all(
+        torch.equal(velocity[k], v) for k, v in expected["velocity"].items()), "velocities did not come back")
+    assert_all_ranks(state.step == expected["step"], f"step {state.step}, saved {expected['step']}")
+    for step in range(SAVED_STEPS, SAVED_STEPS + MORE_STEPS):
+        _step(model, opt, rank, step)
+    local = [p.detach().to_local() for p in model.parameters()]  # type: ignore[operator]
+    assert_all_ranks(all(torch.equal(a, b) for a, b in zip(local, expected["local"])),
+                     f"rank {rank}: resumed shards differ from the uninterrupted run")
+    assert_all_ranks(torch.equal(full_params(model), expected["full"]), "resumed parameters differ")
+
+    # another codec with the same layout: commpress's own error, on every rank, the state unchanged
+    _, _, other = _setup(codec={"codec": "sign"})
+    try:
+        dcp.load({"commpress": other.dcp()}, checkpoint_id=ckpt)
+    except CodecError as exc:
+        assert_all_ranks("codec mismatch" in str(exc) and "TopK" in str(exc), f"unclear error: {exc}")
+    else:
+        assert_all_ranks(False, "a top-k checkpoint loaded into a sign state")
+    assert_all_ranks(other.step == 0 and not other.residuals(), "a refused load changed the state")
+
+
+def worker_other_world(rank: int, world: int, ckpt: str) -> None:
+    """A checkpoint from another world size: DCP's planner names the missing ``rank{r}_of_{n}`` entry, every rank."""
+    model, opt, state = _setup()
+    try:
+        dcp.load({"commpress": state.dcp()}, checkpoint_id=ckpt)
+    except CheckpointException as exc:
+        assert_all_ranks(f"Missing key in checkpoint state_dict: commpress.rank{rank}_of_{world}." in str(exc),
+                         f"unclear error: {exc}")
+    else:
+        assert_all_ranks(False, f"a checkpoint of another world size loaded at {world} ranks")
