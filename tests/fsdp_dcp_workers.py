@@ -26,6 +26,8 @@ from fsdp_workers import full_params, make_fsdp
 SAVED_STEPS = 3  # K: steps before dcp.save
 MORE_STEPS = 3  # N: steps after it
 CODEC: dict[str, Any] = {"codec": "topk", "ratio": 0.1}  # biased: residuals, and the user's SGD momentum moved in
+#: the case above, and its residuals stored blockwise int8 (codes and scales in the DCP form)
+CASES: dict[str, dict[str, Any]] = {"float32": CODEC, "int8": {**CODEC, "residual_dtype": "int8"}}
 
 
 def _setup(seed: int = 0, codec: dict[str, Any] = CODEC) -> tuple[nn.Module, torch.optim.Optimizer,
@@ -54,8 +56,13 @@ def _residual_norms(state: commpress.fsdp.FSDPCompressionState) -> dict[str, flo
 
 
 def worker_save(rank: int, world: int, ckpt: str, out: str) -> None:
-    """K steps, ``dcp.save``, N more: the uninterrupted run's residuals and final parameters to ``out``."""
-    model, opt, state = _setup()
+    """Each case: K steps, ``dcp.save``, N more (the uninterrupted run's residuals and final parameters to ``out``)."""
+    for tag, codec in CASES.items():
+        _save_case(rank, str(Path(ckpt, tag)), str(Path(out, f"expected_{tag}_{rank}.pt")), codec)
+
+
+def _save_case(rank: int, ckpt: str, out: str, codec: dict[str, Any]) -> None:
+    model, opt, state = _setup(codec=codec)
     for step in range(SAVED_STEPS):
         _step(model, opt, rank, step)
     norms = _residual_norms(state)
@@ -68,42 +75,17 @@ def worker_save(rank: int, world: int, ckpt: str, out: str) -> None:
         _step(model, opt, rank, step)
     saved["local"] = [p.detach().to_local().clone() for p in model.parameters()]  # type: ignore[operator]
     saved["full"] = full_params(model)
-    torch.save(saved, Path(out, f"expected_{rank}.pt"))
+    torch.save(saved, out)
 
 
 def worker_resume(rank: int, world: int, ckpt: str, out: str) -> None:
-    """Fresh processes: ``dcp.load`` into a differently initialised model, N steps == the uninterrupted run."""
-    expected = torch.load(Path(out, f"expected_{rank}.pt"), weights_only=True)
-    keys = set(dcp.FileSystemReader(ckpt).read_metadata().state_dict_metadata)
-    assert_all_ranks({f"commpress.rank{r}_of_{world}.header" for r in range(world)} <= keys,
-                     f"commpress entries not namespaced per rank: {sorted(k for k in keys if 'commpress' in k)}")
-    model, opt, state = _setup(seed=1)  # other initial parameters: the load must bring them
-    assert_all_ranks(not state.residuals(), "a fresh state already holds residuals")
-    sd = _checkpoint(model, opt, state)
-    dcp.load(sd, checkpoint_id=ckpt)
-    model.load_state_dict(sd["model"])
-    opt.load_state_dict(sd["optim"])
-    got = state.residuals()
-    assert_all_ranks(sorted(got) == sorted(expected["residuals"]) and all(
-        torch.equal(got[k], v) for k, v in expected["residuals"].items()), "residuals did not come back")
-    assert_all_ranks(_residual_norms(state) == {k: float(v.double().norm()) for k, v in
-                                                sorted(expected["residuals"].items())}, "residual norms differ")
-    assert_all_ranks(all(v > 0 for v in _residual_norms(state).values()), "loaded residuals are zero")
-    velocity = state.correction.velocity
-    assert_all_ranks(sorted(velocity) == sorted(expected["velocity"]) and all(
-        torch.equal(velocity[k], v) for k, v in expected["velocity"].items()), "velocities did not come back")
-    assert_all_ranks(state.step == expected["step"], f"step {state.step}, saved {expected['step']}")
-    for step in range(SAVED_STEPS, SAVED_STEPS + MORE_STEPS):
-        _step(model, opt, rank, step)
-    local = [p.detach().to_local() for p in model.parameters()]  # type: ignore[operator]
-    assert_all_ranks(all(torch.equal(a, b) for a, b in zip(local, expected["local"])),
-                     f"rank {rank}: resumed shards differ from the uninterrupted run")
-    assert_all_ranks(torch.equal(full_params(model), expected["full"]), "resumed parameters differ")
-
-    # another codec with the same layout: commpress's own error, on every rank, the state unchanged
-    _, _, other = _setup(codec={"codec": "sign"})
+    """Fresh processes, each case: ``dcp.load`` into a differently initialised model, N steps == the uninterrupted run;
+    then a sign state refuses the top-k checkpoint."""
+    for tag, codec in CASES.items():
+        _resume_case(rank, world, str(Path(ckpt, tag)), str(Path(out, f"expected_{tag}_{rank}.pt")), codec, tag)
+    _, _, other = _setup(codec={"codec": "sign"})  # the same layout, another codec: commpress's own error
     try:
-        dcp.load({"commpress": other.dcp()}, checkpoint_id=ckpt)
+        dcp.load({"commpress": other.dcp()}, checkpoint_id=str(Path(ckpt, "float32")))
     except CodecError as exc:
         assert_all_ranks("codec mismatch" in str(exc) and "TopK" in str(exc), f"unclear error: {exc}")
     else:
@@ -111,11 +93,40 @@ def worker_resume(rank: int, world: int, ckpt: str, out: str) -> None:
     assert_all_ranks(other.step == 0 and not other.residuals(), "a refused load changed the state")
 
 
+def _resume_case(rank: int, world: int, ckpt: str, out: str, codec: dict[str, Any], tag: str) -> None:
+    expected = torch.load(out, weights_only=True)
+    keys = set(dcp.FileSystemReader(ckpt).read_metadata().state_dict_metadata)
+    assert_all_ranks({f"commpress.rank{r}_of_{world}.header" for r in range(world)} <= keys,
+                     f"commpress entries not namespaced per rank: {sorted(k for k in keys if 'commpress' in k)}")
+    model, opt, state = _setup(seed=1, codec=codec)  # other initial parameters: the load must bring them
+    assert_all_ranks(not state.residuals(), "a fresh state already holds residuals")
+    sd = _checkpoint(model, opt, state)
+    dcp.load(sd, checkpoint_id=ckpt)
+    model.load_state_dict(sd["model"])
+    opt.load_state_dict(sd["optim"])
+    got = state.residuals()
+    assert_all_ranks(sorted(got) == sorted(expected["residuals"]) and all(
+        torch.equal(got[k], v) for k, v in expected["residuals"].items()), f"{tag}: residuals did not come back")
+    assert_all_ranks(_residual_norms(state) == {k: float(v.double().norm()) for k, v in
+                                                sorted(expected["residuals"].items())}, f"{tag}: residual norms differ")
+    assert_all_ranks(all(v > 0 for v in _residual_norms(state).values()), f"{tag}: loaded residuals are zero")
+    velocity = state.correction.velocity
+    assert_all_ranks(sorted(velocity) == sorted(expected["velocity"]) and all(
+        torch.equal(velocity[k], v) for k, v in expected["velocity"].items()), f"{tag}: velocities did not come back")
+    assert_all_ranks(state.step == expected["step"], f"{tag}: step {state.step}, saved {expected['step']}")
+    for step in range(SAVED_STEPS, SAVED_STEPS + MORE_STEPS):
+        _step(model, opt, rank, step)
+    local = [p.detach().to_local() for p in model.parameters()]  # type: ignore[operator]
+    assert_all_ranks(all(torch.equal(a, b) for a, b in zip(local, expected["local"])),
+                     f"{tag}, rank {rank}: resumed shards differ from the uninterrupted run")
+    assert_all_ranks(torch.equal(full_params(model), expected["full"]), f"{tag}: resumed parameters differ")
+
+
 def worker_other_world(rank: int, world: int, ckpt: str) -> None:
     """A checkpoint from another world size: DCP's planner names the missing ``rank{r}_of_{n}`` entry, every rank."""
     model, opt, state = _setup()
     try:
-        dcp.load({"commpress": state.dcp()}, checkpoint_id=ckpt)
+        dcp.load({"commpress": state.dcp()}, checkpoint_id=str(Path(ckpt, "float32")))
     except CheckpointException as exc:
         assert_all_ranks(f"Missing key in checkpoint state_dict: commpress.rank{rank}_of_{world}." in str(exc),
                          f"unclear error: {exc}")
