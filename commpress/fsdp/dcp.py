@@ -31,7 +31,8 @@ on every rank (a collective error, before anything is read: no hang). To resume 
 world size, leave the ``"commpress"`` entry out: residuals and velocities start from zero.
 Another codec, options, seed or model with the same layout load, then
 :meth:`FSDPCompressionState.load_state_dict` raises its ``... mismatch: checkpoint has ...,
-this state ...`` error (on every rank, nothing changed); a different layout (another residual
+this state ...`` error on every rank, the commpress state unchanged (DCP has already read the
+other entries, the model's and optimizer's, in place); a different layout (another residual
 dtype, error feedback on or off, other parameters) fails in DCP's planner naming the key.
 """
 

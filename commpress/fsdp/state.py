@@ -719,7 +719,8 @@ class FSDPCompressionState(checkpoint.StateFile):
             if state[what] != mine:
                 raise ValueError(
                     f"{what} mismatch: checkpoint has {state[what]!r}, this state {mine!r} "
-                    "(residuals are per rank: save and load one commpress state per rank)"
+                    "(residuals are per rank: save and load one commpress state per rank; "
+                    "in torch.distributed.checkpoint pass state.dcp(), not the state)"
                 )
         seed = opts.check_saved_seed(state)
         calls = dict(state["calls"])

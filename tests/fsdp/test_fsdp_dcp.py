@@ -48,3 +48,26 @@ def test_state_is_not_itself_the_dcp_form() -> None:
 
     assert issubclass(commpress.fsdp.DCPState, Stateful)
     assert hasattr(commpress.fsdp.FSDPCompressionState, "dcp")
+
+
+def test_dcp_dedups_same_named_entries_across_ranks() -> None:
+    """The trap the ``rank{r}_of_{n}`` namespace avoids: DCP's save planner keeps one copy of an
+    entry two ranks name alike (here rank 1's differing residual), so rank 1 would read rank 0's."""
+    from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    def plans(per_rank: list[dict[str, object]]) -> list[set[str]]:
+        out = []
+        for rank, sd in enumerate(per_rank):
+            planner = DefaultSavePlanner()
+            planner.set_up_planner(sd, is_coordinator=rank == 0)
+            out.append(planner.create_local_plan())
+        return [{item.index.fqn for item in p.items} for p in dedup_save_plans(out)]
+
+    same_names = [{"commpress": {"rank": r, "residuals": {"h1.weight#2": torch.full((4,), float(r))}}} for r in range(2)]
+    kept = plans(same_names)
+    assert "commpress.residuals.h1.weight#2" in kept[0] ^ kept[1]  # written by one rank only
+    namespaced = [{"commpress": {f"rank{r}_of_2": {"residuals": {"h1.weight#2": torch.full((4,), float(r))}}}}
+                  for r in range(2)]
+    kept = plans(namespaced)
+    assert kept == [{f"commpress.rank{r}_of_2.residuals.h1.weight#2"} for r in range(2)]
