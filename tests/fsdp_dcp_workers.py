@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import commpress.fsdp
 from commpress.errors import CodecError
@@ -26,8 +27,11 @@ from fsdp_workers import full_params, make_fsdp
 SAVED_STEPS = 3  # K: steps before dcp.save
 MORE_STEPS = 3  # N: steps after it
 CODEC: dict[str, Any] = {"codec": "topk", "ratio": 0.1}  # biased: residuals, and the user's SGD momentum moved in
-#: the case above, and its residuals stored blockwise int8 (codes and scales in the DCP form)
-CASES: dict[str, dict[str, Any]] = {"float32": CODEC, "int8": {**CODEC, "residual_dtype": "int8"}}
+#: tag -> (codec, how model and optimizer go to DCP): the case above with ``model.state_dict()`` /
+#: ``opt.state_dict()``, and with int8 residuals (codes and scales in the DCP form) through torch's
+#: ``get_state_dict`` / ``set_state_dict`` (FQN-keyed optimizer state, its fake first step included)
+CASES: dict[str, tuple[dict[str, Any], str]] = {"float32": (CODEC, "plain"),
+                                                "int8": ({**CODEC, "residual_dtype": "int8"}, "torch")}
 
 
 def _setup(seed: int = 0, codec: dict[str, Any] = CODEC) -> tuple[nn.Module, torch.optim.Optimizer,
@@ -46,8 +50,11 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, rank: int, step: int) ->
     opt.step()
 
 
-def _checkpoint(model: nn.Module, opt: torch.optim.Optimizer, state: Any) -> dict[str, Any]:
+def _checkpoint(model: nn.Module, opt: torch.optim.Optimizer, state: Any, api: str) -> dict[str, Any]:
     """What the user hands to ``dcp.save`` / ``dcp.load``."""
+    if api == "torch":
+        model_sd, optim_sd = get_state_dict(model, opt)
+        return {"model": model_sd, "optim": optim_sd, "commpress": state.dcp()}
     return {"model": model.state_dict(), "optim": opt.state_dict(), "commpress": state.dcp()}
 
 
@@ -57,18 +64,18 @@ def _residual_norms(state: commpress.fsdp.FSDPCompressionState) -> dict[str, flo
 
 def worker_save(rank: int, world: int, ckpt: str, out: str) -> None:
     """Each case: K steps, ``dcp.save``, N more (the uninterrupted run's residuals and final parameters to ``out``)."""
-    for tag, codec in CASES.items():
-        _save_case(rank, str(Path(ckpt, tag)), str(Path(out, f"expected_{tag}_{rank}.pt")), codec)
+    for tag, (codec, api) in CASES.items():
+        _save_case(rank, str(Path(ckpt, tag)), str(Path(out, f"expected_{tag}_{rank}.pt")), codec, api)
 
 
-def _save_case(rank: int, ckpt: str, out: str, codec: dict[str, Any]) -> None:
+def _save_case(rank: int, ckpt: str, out: str, codec: dict[str, Any], api: str) -> None:
     model, opt, state = _setup(codec=codec)
     for step in range(SAVED_STEPS):
         _step(model, opt, rank, step)
     norms = _residual_norms(state)
     assert_all_ranks(bool(norms) and all(v > 0 for v in norms.values()), f"no residuals to save: {norms}")
     assert_all_ranks(bool(state.correction.velocity), "the SGD momentum was not moved into commpress")
-    dcp.save(_checkpoint(model, opt, state), checkpoint_id=ckpt)
+    dcp.save(_checkpoint(model, opt, state, api), checkpoint_id=ckpt)
     saved = {"residuals": {k: v.clone() for k, v in state.residuals().items()},
              "velocity": {k: v.clone() for k, v in state.correction.velocity.items()}, "step": state.step}
     for step in range(SAVED_STEPS, SAVED_STEPS + MORE_STEPS):
@@ -81,8 +88,8 @@ def _save_case(rank: int, ckpt: str, out: str, codec: dict[str, Any]) -> None:
 def worker_resume(rank: int, world: int, ckpt: str, out: str) -> None:
     """Fresh processes, each case: ``dcp.load`` into a differently initialised model, N steps == the uninterrupted run;
     then a sign state refuses the top-k checkpoint."""
-    for tag, codec in CASES.items():
-        _resume_case(rank, world, str(Path(ckpt, tag)), str(Path(out, f"expected_{tag}_{rank}.pt")), codec, tag)
+    for tag, (codec, api) in CASES.items():
+        _resume_case(rank, world, str(Path(ckpt, tag)), str(Path(out, f"expected_{tag}_{rank}.pt")), codec, api, tag)
     _, _, other = _setup(codec={"codec": "sign"})  # the same layout, another codec: commpress's own error
     try:
         dcp.load({"commpress": other.dcp()}, checkpoint_id=str(Path(ckpt, "float32")))
@@ -93,17 +100,20 @@ def worker_resume(rank: int, world: int, ckpt: str, out: str) -> None:
     assert_all_ranks(other.step == 0 and not other.residuals(), "a refused load changed the state")
 
 
-def _resume_case(rank: int, world: int, ckpt: str, out: str, codec: dict[str, Any], tag: str) -> None:
+def _resume_case(rank: int, world: int, ckpt: str, out: str, codec: dict[str, Any], api: str, tag: str) -> None:
     expected = torch.load(out, weights_only=True)
     keys = set(dcp.FileSystemReader(ckpt).read_metadata().state_dict_metadata)
     assert_all_ranks({f"commpress.rank{r}_of_{world}.header" for r in range(world)} <= keys,
                      f"commpress entries not namespaced per rank: {sorted(k for k in keys if 'commpress' in k)}")
     model, opt, state = _setup(seed=1, codec=codec)  # other initial parameters: the load must bring them
     assert_all_ranks(not state.residuals(), "a fresh state already holds residuals")
-    sd = _checkpoint(model, opt, state)
+    sd = _checkpoint(model, opt, state, api)
     dcp.load(sd, checkpoint_id=ckpt)
-    model.load_state_dict(sd["model"])
-    opt.load_state_dict(sd["optim"])
+    if api == "torch":
+        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    else:
+        model.load_state_dict(sd["model"])
+        opt.load_state_dict(sd["optim"])
     got = state.residuals()
     assert_all_ranks(sorted(got) == sorted(expected["residuals"]) and all(
         torch.equal(got[k], v) for k, v in expected["residuals"].items()), f"{tag}: residuals did not come back")
