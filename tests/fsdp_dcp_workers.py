@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import commpress.fsdp
 from commpress.errors import CodecError
+from commpress.fsdp.dcp import _decode_header, _encode_header
 
 from ddp_workers import assert_all_ranks, batch
 from fsdp_workers import full_params, make_fsdp
@@ -98,6 +99,16 @@ def worker_resume(rank: int, world: int, ckpt: str, out: str) -> None:
     else:
         assert_all_ranks(False, "a top-k checkpoint loaded into a sign state")
     assert_all_ranks(other.step == 0 and not other.residuals(), "a refused load changed the state")
+    form = other.dcp().state_dict()  # a header naming another rank (a copied or edited checkpoint)
+    mine = form[other.dcp().key]
+    header = _decode_header(mine["header"])
+    mine["header"] = _encode_header({**header, "rank": 1 - rank})
+    try:
+        other.dcp().load_state_dict(form)
+    except ValueError as exc:
+        assert_all_ranks(f"rank mismatch: checkpoint has {1 - rank}, this state {rank}" in str(exc), f"unclear: {exc}")
+    else:
+        assert_all_ranks(False, "another rank's header was accepted")
 
 
 def _resume_case(rank: int, world: int, ckpt: str, out: str, codec: dict[str, Any], api: str, tag: str) -> None:

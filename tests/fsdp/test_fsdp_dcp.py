@@ -12,6 +12,7 @@ from pathlib import Path
 import fsdp_dcp_workers as dw
 import torch
 
+import commpress.codecs
 import commpress.fsdp
 from commpress.fsdp.dcp import HEADER_NBYTES, _decode_header, _encode_header
 
@@ -31,6 +32,11 @@ def test_header_round_trips_and_refuses_garbage() -> None:
             assert match in str(exc), exc
         else:
             raise AssertionError(f"accepted {match}")
+    # every codec's config survives the header's JSON (a list for a tuple would read as another codec)
+    for codec in (commpress.codecs.get("topk", ratio=0.1), commpress.codecs.get("randomk", k=7, scaled=True),
+                  *(commpress.codecs.get(n) for n in ("none", "fp16", "bf16", "sign", "qsgd", "int8", "int4"))):
+        back = _decode_header(_encode_header({"dcp_format": 1, "codec": codec.config()}))["codec"]
+        assert commpress.codecs.from_config(back) == codec, codec
 
 
 def test_dcp_resume_is_bit_exact_in_fresh_processes(tmp_path: Path) -> None:
