@@ -21,7 +21,7 @@ keeps none yet) with a ``*_present`` mask, the call counts as one int64 tensor (
 and the header (format, codec, options, rank, world size, seed, step, guard) as JSON in a
 fixed :data:`HEADER_NBYTES` uint8 tensor, so another configuration's header still loads and
 :meth:`FSDPCompressionState.load_state_dict` can say what differs. Everything is a tensor:
-DCP writes tensors raw and reads them with ``weights_only=True``; nothing of commpress's goes
+DCP's file reader loads each tensor with ``torch.load(weights_only=True)``; nothing of commpress's goes
 through the pickle DCP uses for non-tensor values (``torch.load(weights_only=False)`` in its
 default planner; its ``.metadata`` file is a pickle whatever the values are).
 
