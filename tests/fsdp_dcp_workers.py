@@ -30,16 +30,19 @@ MORE_STEPS = 3  # N: steps after it
 CODEC: dict[str, Any] = {"codec": "topk", "ratio": 0.1}  # biased: residuals, and the user's SGD momentum moved in
 #: tag -> (codec, how model and optimizer go to DCP): the case above with ``model.state_dict()`` /
 #: ``opt.state_dict()``, and with int8 residuals (codes and scales in the DCP form) through torch's
-#: ``get_state_dict`` / ``set_state_dict`` (FQN-keyed optimizer state, its fake first step included)
+#: ``get_state_dict`` / ``set_state_dict`` (FQN-keyed optimizer state, its fake first step included),
+#: and AdamW past its 2 dense warm-up steps (1-bit Adam's compressed momentum: local velocities)
 CASES: dict[str, tuple[dict[str, Any], str]] = {"float32": (CODEC, "plain"),
-                                                "int8": ({**CODEC, "residual_dtype": "int8"}, "torch")}
+                                                "int8": ({**CODEC, "residual_dtype": "int8"}, "torch"),
+                                                "adamw": ({**CODEC, "adamw": True, "warmup_steps": 2}, "torch")}
 
 
 def _setup(seed: int = 0, codec: dict[str, Any] = CODEC) -> tuple[nn.Module, torch.optim.Optimizer,
                                                                    commpress.fsdp.FSDPCompressionState]:
     model = make_fsdp(seed)  # every Linear fully_shard-ed, then the root
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     kw = dict(codec)
+    opt = (torch.optim.AdamW(model.parameters(), lr=1e-3) if kw.pop("adamw", False)
+           else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
     state = commpress.fsdp.register(model, kw.pop("codec"), optimizer=opt, **kw)
     return model, opt, state
 
@@ -75,7 +78,7 @@ def _save_case(rank: int, ckpt: str, out: str, codec: dict[str, Any], api: str) 
         _step(model, opt, rank, step)
     norms = _residual_norms(state)
     assert_all_ranks(bool(norms) and all(v > 0 for v in norms.values()), f"no residuals to save: {norms}")
-    assert_all_ranks(bool(state.correction.velocity), "the SGD momentum was not moved into commpress")
+    assert_all_ranks(bool(state.correction.velocity), "no velocity in commpress (the SGD momentum moved in, or AdamW's compressed momentum)")
     dcp.save(_checkpoint(model, opt, state, api), checkpoint_id=ckpt)
     saved = {"residuals": {k: v.clone() for k, v in state.residuals().items()},
              "velocity": {k: v.clone() for k, v in state.correction.velocity.items()}, "step": state.step}

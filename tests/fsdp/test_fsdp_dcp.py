@@ -42,7 +42,8 @@ def test_header_round_trips_and_refuses_garbage() -> None:
 def test_dcp_resume_is_bit_exact_in_fresh_processes(tmp_path: Path) -> None:
     """K steps, dcp.save, N steps; fresh processes dcp.load and run the N steps: the same parameters
     on every rank, the residuals and velocities back (float32 residuals with ``model.state_dict()``,
-    int8 ones with torch's ``get_state_dict``); a sign state and a 1-rank group refuse it."""
+    int8 ones with torch's ``get_state_dict``, AdamW's compressed momentum); a sign state, a header
+    naming another rank and a 1-rank group refuse it."""
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path)
     w.launch(dw.worker_save, 2, ckpt, out, timeout=120)
     w.launch(dw.worker_resume, 2, ckpt, out, timeout=120)
