@@ -19,6 +19,7 @@ Example::
     state = commpress.fsdp.register(model, "sign", optimizer=opt)  # its momentum moves into the reduce-scatter
     ...
     torch.save(state.state_dict(), f"commpress_rank{rank}.pt")  # residuals are per rank
+    dcp.save({"model": model.state_dict(), "optim": opt.state_dict(), "commpress": state.dcp()}, checkpoint_id=d)
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ import torch
 
 from ..codecs import Codec
 from .allgather import AllGatherPlan, CompressedAllGather, ParamAllGather
+from .dcp import DCPState
 from .state import CompressedReduceScatter, FSDPCompressionState, ModulePlan, ShardPlan
 
 __all__ = [
-    "AllGatherPlan", "CompressedAllGather", "CompressedReduceScatter", "FSDPCompressionState", "ModulePlan",
+    "AllGatherPlan", "CompressedAllGather", "CompressedReduceScatter", "DCPState", "FSDPCompressionState", "ModulePlan",
     "ParamAllGather", "ShardPlan", "register",
 ]
 

@@ -85,6 +85,7 @@ from ..rng import derive_seed
 from ..selection import DEFAULT_MIN_NUMEL, CompressFilter, SelectionRule
 from . import residuals as rstore
 from .allgather import ParamAllGather, resolve_param_codec
+from .dcp import DCPState
 
 logger = logging.getLogger("commpress")
 
@@ -198,6 +199,18 @@ class FSDPCompressionState(checkpoint.StateFile):
             parameters stay exact); ``"none"`` is FSDP's own all-gather with its bytes counted;
             ``{"forward": ..., "backward": ...}`` chooses per direction.
         **codec_params: codec parameters when ``codec`` is a name.
+
+    Checkpoints: residuals and velocities differ per rank. Either one file per rank
+    (:meth:`save` / :meth:`load`, or :meth:`state_dict` / :meth:`load_state_dict` with
+    ``torch.save`` and ``torch.load(weights_only=True)``), or ``torch.distributed.checkpoint``
+    next to the model and optimizer through :meth:`dcp`, the ``Stateful`` that namespaces every
+    entry per rank (passing the state itself to DCP would let DCP deduplicate the ranks'
+    same-named entries: :mod:`commpress.fsdp.dcp`)::
+
+        dcp.save({"model": model.state_dict(), "optim": opt.state_dict(), "commpress": state.dcp()}, checkpoint_id=d)
+        dcp.load({"model": model.state_dict(), "optim": opt.state_dict(), "commpress": state.dcp()}, checkpoint_id=d)
+
+    A checkpoint resumes at the world size it was saved at (another one raises on every rank).
     """
 
     file_what = "commpress FSDP state"
@@ -681,6 +694,15 @@ class FSDPCompressionState(checkpoint.StateFile):
             "guard": self.guard.state(),
         }
 
+    def dcp(self) -> DCPState:
+        """The state as a ``torch.distributed.checkpoint`` ``Stateful`` (:mod:`commpress.fsdp.dcp`).
+
+        An adapter rather than the state itself, because :meth:`state_dict` keeps its per-rank
+        file form (the same keys on every rank, which DCP would deduplicate); the adapter holds
+        nothing, so ``state.dcp()`` can be written straight into the ``dcp.save`` / ``dcp.load`` dict.
+        """
+        return DCPState(self)
+
     def _stored_residuals(self) -> dict[str, torch.Tensor]:
         if self.feedback is not None and self.residual_kind != "float32":
             return self._low.state()[0]
@@ -705,7 +727,8 @@ class FSDPCompressionState(checkpoint.StateFile):
             if state[what] != mine:
                 raise ValueError(
                     f"{what} mismatch: checkpoint has {state[what]!r}, this state {mine!r} "
-                    "(residuals are per rank: save and load one commpress state per rank)"
+                    "(residuals are per rank: save and load one commpress state per rank; "
+                    "in torch.distributed.checkpoint pass state.dcp(), not the state)"
                 )
         seed = opts.check_saved_seed(state)
         calls = dict(state["calls"])

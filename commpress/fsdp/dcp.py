@@ -1,0 +1,188 @@
+"""``state.dcp()``: an :class:`FSDPCompressionState` in ``torch.distributed.checkpoint`` (DCP).
+
+Usage (every rank, with the model's and optimizer's own entries)::
+
+    dcp.save({"model": model.state_dict(), "optim": opt.state_dict(), "commpress": state.dcp()}, checkpoint_id=d)
+    dcp.load({"model": model.state_dict(), "optim": opt.state_dict(), "commpress": state.dcp()}, checkpoint_id=d)
+
+**Why an adapter, not the state itself.** DCP treats a plain tensor (or value) under the same
+key on several ranks as *replicated*: its default save planner keeps one copy
+(``_dedup_save_plans``: the rank with the smallest plan writes it) and every rank reads that copy
+back. The per-rank :meth:`FSDPCompressionState.state_dict` (one file per rank; kept as it is)
+has the same keys on every rank with different values (``rank``, residuals, velocities): in DCP
+every rank but one would load another rank's entries. :meth:`DCPState.state_dict` namespaces
+everything under ``rank{r}_of_{n}``, so no key is shared, nothing is deduplicated and each rank
+reads exactly what it wrote.
+
+**DCP loads tensors in place**: before the read, each rank's :meth:`DCPState.state_dict` must
+hold every key with its saved shape. So the form has one layout per configuration, whatever
+the training has reached: every residual and velocity this rank *can* keep (zeros where it
+keeps none yet) with a ``*_present`` mask, the call counts as one int64 tensor (module order),
+and the header (format, codec, options, rank, world size, seed, step, guard) as JSON in a
+fixed :data:`HEADER_NBYTES` uint8 tensor, so another configuration's header still loads and
+:meth:`FSDPCompressionState.load_state_dict` can say what differs. Everything is a tensor:
+DCP's file reader loads each tensor with ``torch.load(weights_only=True)``; nothing of commpress's goes
+through the pickle DCP uses for non-tensor values (``torch.load(weights_only=False)`` in its
+default planner; its ``.metadata`` file is a pickle whatever the values are).
+
+**Mismatches.** A checkpoint from another world size has no ``rank{r}_of_{n}`` keys for this
+one: DCP's planner raises ``Missing key in checkpoint state_dict: commpress.rank0_of_4.header``
+on every rank (a collective error, before anything is read: no hang). To resume at another
+world size, leave the ``"commpress"`` entry out: residuals and velocities start from zero.
+Another codec, options, seed or model with the same layout load, then
+:meth:`FSDPCompressionState.load_state_dict` raises its ``... mismatch: checkpoint has ...,
+this state ...`` error on every rank, the commpress state unchanged (DCP has already read the
+other entries, the model's and optimizer's, in place); a different layout (another residual
+dtype, error feedback on or off, other parameters) fails in DCP's planner naming the key.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..errors import ConfigurationError
+from . import residuals as rstore
+
+if TYPE_CHECKING:
+    from .state import FSDPCompressionState
+
+#: Bytes of the JSON header tensor (zero-padded; the header holds no per-module or per-parameter data).
+HEADER_NBYTES = 4096
+DCP_FORMAT = 1
+_HEADER_KEYS = ("format", "codec", "error_feedback", "residual_dtype", "world_size", "rank", "seed", "step", "guard")
+_CODE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8}
+
+
+def _encode_header(header: Mapping[str, Any]) -> torch.Tensor:
+    raw = json.dumps(header, sort_keys=True).encode()  # a non-finite guard ratio is refused on load, as in a file
+    if len(raw) > HEADER_NBYTES:
+        raise ConfigurationError(f"commpress DCP header is {len(raw)} bytes, more than {HEADER_NBYTES}: {raw[:80]!r}...")
+    out = torch.zeros(HEADER_NBYTES, dtype=torch.uint8)
+    out[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return out
+
+
+def _decode_header(t: Any) -> dict[str, Any]:
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or tuple(t.shape) != (HEADER_NBYTES,):
+        raise ValueError(f"commpress DCP header must be a uint8 tensor of {HEADER_NBYTES} bytes")
+    raw = bytes(t.numpy().tobytes()).rstrip(b"\0")
+    try:
+        header = json.loads(raw.decode())
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"commpress DCP header is not valid JSON ({exc})") from None
+    if not isinstance(header, dict) or header.get("dcp_format") != DCP_FORMAT:
+        raise ValueError(f"commpress DCP header has format {header.get('dcp_format') if isinstance(header, dict) else header!r}, "
+                         f"expected {DCP_FORMAT}")
+    return header
+
+
+class DCPState:
+    """The DCP view of one rank's :class:`FSDPCompressionState` (a ``Stateful``; see the module docstring).
+
+    Built by :meth:`FSDPCompressionState.dcp`; holds no state of its own, so one made before
+    ``dcp.load`` restores the state it came from.
+    """
+
+    __slots__ = ("state",)
+
+    def __init__(self, state: FSDPCompressionState) -> None:
+        self.state = state
+
+    @property
+    def key(self) -> str:
+        """The namespace of this rank's entries: ``rank{r}_of_{n}``."""
+        return f"rank{self.state.rank}_of_{self.state.world_size}"
+
+    def _layout(self) -> tuple[dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]], dict[str, int]]:
+        """Residual tensors (``codes`` and ``scales`` where quantized) and velocity numels this rank can keep."""
+        s = self.state
+        kind = s.residual_kind
+        residuals: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]] = {}
+        for key, (numel,) in sorted(s.residual_shapes().items()):
+            shapes = rstore.stored_shapes(kind, numel)
+            residuals[key] = {"codes": (shapes["codes"], _CODE_DTYPES[kind])}
+            if "scales" in shapes:
+                residuals[key]["scales"] = (shapes["scales"], torch.float32)
+        return residuals, dict(sorted(s._velocity_numels().items()))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The rank's state under ``rank{r}_of_{n}``: tensors only, one fixed layout per configuration."""
+        plain = self.state.state_dict()
+        residual_layout, velocity_layout = self._layout()
+        saved_residuals = dict(plain["residuals"])
+        saved_scales = dict(plain.get("residual_scales") or {})
+        saved_velocity = dict(plain["velocity"])
+        unknown = (set(saved_residuals) - set(residual_layout)) | (set(saved_velocity) - set(velocity_layout))
+        if unknown:  # cannot happen for a state this module knows; refuse rather than drop it silently
+            raise ConfigurationError(f"commpress DCP: state holds {sorted(unknown)} outside its layout")
+        header = {k: plain[k] for k in _HEADER_KEYS}
+        header["dcp_format"] = DCP_FORMAT
+        out: dict[str, Any] = {
+            "header": _encode_header(header),
+            "calls": torch.tensor([plain["calls"][m.name] for m in self.state.modules], dtype=torch.int64),
+        }
+        if residual_layout:
+            out["residuals"] = {}
+            if any("scales" in v for v in residual_layout.values()):
+                out["residual_scales"] = {}
+            for key, parts in residual_layout.items():
+                shape, dtype = parts["codes"]
+                out["residuals"][key] = _stored(saved_residuals.get(key), shape, dtype)
+                if "scales" in parts:
+                    shape, dtype = parts["scales"]
+                    out["residual_scales"][key] = _stored(saved_scales.get(key), shape, dtype)
+            out["residual_present"] = torch.tensor([k in saved_residuals for k in residual_layout], dtype=torch.uint8)
+        if velocity_layout:
+            out["velocity"] = {k: _stored(saved_velocity.get(k), (n,), torch.float32) for k, n in velocity_layout.items()}
+            out["velocity_present"] = torch.tensor([k in saved_velocity for k in velocity_layout], dtype=torch.uint8)
+        return {self.key: out}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` output (after DCP's read): validated by ``FSDPCompressionState.load_state_dict``."""
+        if set(state_dict) != {self.key}:
+            raise ValueError(f"commpress DCP state holds {sorted(state_dict)}, this rank reads {self.key!r} "
+                             "(residuals are per rank: save and load at the same world size)")
+        mine = state_dict[self.key]
+        if not isinstance(mine, Mapping):
+            raise ValueError(f"commpress DCP state {self.key!r} must be a mapping, got {type(mine).__name__}")
+        header = _decode_header(mine.get("header"))
+        calls = mine.get("calls")
+        if not isinstance(calls, torch.Tensor) or calls.dtype != torch.int64 or calls.shape != (len(self.state.modules),):
+            raise ValueError(f"commpress DCP calls must be an int64 tensor of {len(self.state.modules)} modules")
+        residual_layout, velocity_layout = self._layout()
+        plain: dict[str, Any] = {k: header[k] for k in _HEADER_KEYS if k in header}
+        plain["calls"] = {m.name: int(c) for m, c in zip(self.state.modules, calls.tolist())}
+        plain["residuals"] = _present(mine, "residuals", residual_layout, "residual_present")
+        if self.state.residual_kind in ("int8", "int4"):
+            plain["residual_scales"] = _present(mine, "residual_scales", residual_layout, "residual_present")
+        plain["velocity"] = _present(mine, "velocity", velocity_layout, "velocity_present")
+        self.state.load_state_dict(plain)
+
+    def __repr__(self) -> str:
+        return f"DCPState({self.key!r}, {self.state!r})"
+
+
+def _stored(value: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``value`` (already a copy: ``state_dict()`` clones), or zeros of the layout's shape where absent."""
+    if value is None:
+        return torch.zeros(shape, dtype=dtype)
+    if tuple(value.shape) != shape or value.dtype != dtype:
+        raise ConfigurationError(f"commpress DCP: a tensor of {tuple(value.shape)} {value.dtype}, layout {shape} {dtype}")
+    return value.detach().contiguous()
+
+
+def _present(mine: Mapping[str, Any], name: str, layout: Mapping[str, Any], mask: str) -> dict[str, Any]:
+    """The entries of ``mine[name]`` that the ``mine[mask]`` flags mark (the layout's order)."""
+    if not layout:
+        return {}
+    flags = mine.get(mask)
+    if not isinstance(flags, torch.Tensor) or flags.dtype != torch.uint8 or flags.shape != (len(layout),):
+        raise ValueError(f"commpress DCP {mask} must be a uint8 tensor of {len(layout)} flags")
+    values = mine.get(name)
+    if not isinstance(values, Mapping):
+        raise ValueError(f"commpress DCP {name} must be a mapping")
+    return {k: values.get(k) for k, flag in zip(layout, flags.tolist()) if flag}
