@@ -8,7 +8,8 @@ every method, from the same initialisation on the same batches. It prints, per m
 per rank and step split into the parameter all-gathers (forward + backward) and the gradient
 reduce-scatter, the bytes the host's interface really sent, the median step, held-out loss at
 equal steps, training time to FSDP fp32's final loss x 1.02, and memory per rank (parameter
-shard, gradient shard, optimizer state, commpress's compression state). ``--doc`` writes the
+shard, gradient shard, optimizer state, commpress's compression state: residuals, velocities and
+the peak of forward frames kept for the backward). ``--doc`` writes the
 tables into docs/benchmarks.md (between the fsdp-lm markers) and a loss-vs-time plot.
 
 Methods (``--methods``, ``;``-separated): ``fp32`` (FSDP2 as is), ``bf16`` (FSDP2 with
@@ -184,7 +185,7 @@ def run_method(method: str, args: argparse.Namespace, text: Any, heldout: tuple[
         s = state.stats()
         ag = (w1[0] - w0[0] - eval_ag) / timed if "allgather_bytes_wire" in s else fsdp_ag
         rs = (w1[1] - w0[1] - eval_rs) / timed
-        cstate = int(s["compression_state_bytes"])
+        cstate = int(s["compression_state_bytes"]) + int(s.get("allgather_kept_peak_bytes", 0))
     opt_state = sum(tensor_bytes(local(v) for v in st.values()) for st in opt.state.values())
     param_shard = tensor_bytes(local(p.data) for p in model.parameters())
     grad_shard = param_shard  # FSDP keeps the reduced gradient shard in the parameters' dtype

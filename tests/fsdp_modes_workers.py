@@ -56,12 +56,20 @@ def worker_equivalence(rank: int, world: int) -> None:
     ref, model = make_fsdp(), make_fsdp()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-    state = commpress.fsdp.register(model, "topk", optimizer=opt, ratio=0.01, warmup_steps=4)
+    state = commpress.fsdp.register(model, "topk", optimizer=opt, ratio=0.01, warmup_steps=4, warmup_codec="dense")
     assert_all_ranks(state.adam is not None and state.warmup.steps == 4, "AdamW not adopted")
+    quant = make_fsdp()  # the default warm-up: 8-bit QSGD through the all_to_all
+    quant_opt = torch.optim.AdamW(quant.parameters(), lr=1e-3, weight_decay=0.01)
+    qstate = commpress.fsdp.register(quant, "topk", optimizer=quant_opt, ratio=0.01, warmup_steps=4)
     for step in range(4):
         _step(ref, ref_opt, rank, step)
         _step(model, opt, rank, step)
+        _step(quant, quant_opt, rank, step)
     assert_all_ranks(torch.equal(full_params(ref), full_params(model)), "AdamW warm-up differs from FSDP + AdamW")
+    qs = qstate.stats()
+    assert_all_ranks(qs["bytes_sent"] < 0.4 * qs["dense_bytes"], f"QSGD warm-up sent {qs['bytes_sent']} of {qs['dense_bytes']}")
+    qdiff = float((full_params(quant) - full_params(ref)).abs().max())
+    assert_all_ranks(0 < qdiff < 1e-2, f"QSGD warm-up moved {qdiff} away from FSDP + AdamW after 4 steps (lr 1e-3)")
     for step in range(4, 8):  # compressed momentum with frozen variance: finite, moving, rank-consistent
         _step(model, opt, rank, step)
     got = full_params(model)
