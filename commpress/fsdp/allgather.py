@@ -267,7 +267,9 @@ class ParamAllGather:
     @staticmethod
     def _pieces(plan: AllGatherPlan, flat: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """``flat`` (one rank's shard) cut into the quantised parameters' pieces and the exact ones'."""
-        quantised, exact, off = [], [], 0
+        quantised: list[torch.Tensor] = []
+        exact: list[torch.Tensor] = []
+        off = 0
         for k, c in zip(plan.numels, plan.compressed):
             (quantised if c else exact).append(flat[off : off + k])
             off += k
