@@ -7,8 +7,9 @@ import time
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
-import shaped_net  # noqa: E402
+from commpress.demo import shaped_net
+
+SCRIPTS = os.path.join(os.path.dirname(__file__), "..", "scripts")
 
 needs_root = pytest.mark.skipif(not shaped_net.can_shape()[0], reason=f"cannot shape: {shaped_net.can_shape()[1]}")
 
@@ -71,3 +72,24 @@ def test_loopback_fallback(monkeypatch, capsys):
         assert net.addr(2) == "127.0.0.1" and net.ifname == "lo"
         assert net.command(1, ["true"]) == ["true"] and net.tx_rx_bytes(0) == (0, 0)
     assert "not root" in capsys.readouterr().err
+
+
+def test_loopback_on_request_even_as_root(capsys):
+    with shaped_net.ShapedNetwork(2, "1gbit", loopback=True) as net:
+        assert not net.shaped and net.addr(1) == "127.0.0.1" and net.command(0, ["true"]) == ["true"]
+    assert "loopback requested" in capsys.readouterr().err
+
+
+def test_scripts_shim_is_the_package_module():
+    """scripts/shaped_net.py (the benchmarks' import) is the package module, not a copy."""
+    sys.path.insert(0, SCRIPTS)
+    try:
+        sys.modules.pop("shaped_net", None)
+        import shaped_net as shim
+    finally:
+        sys.path.remove(SCRIPTS)
+        sys.modules.pop("shaped_net", None)
+    assert shim is shaped_net and shim.ShapedNetwork is shaped_net.ShapedNetwork
+    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "shaped_net.py"), "--help"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0 and "--self-test" in proc.stdout
