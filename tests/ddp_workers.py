@@ -462,3 +462,25 @@ def _torchrun_smoke(rank: int, world: int) -> None:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def worker_compile(rank: int, world: int, steps: int) -> None:
+    """``torch.compile(DDP(model))`` with the top-k and sign hooks: ranks identical, the hook ran every step."""
+    for codec, opts in (("topk", {"ratio": 0.05}), ("sign", {})):
+        torch.manual_seed(0)
+        ddp = DDP(Net())  # DDP's own buckets: dynamo's DDPOptimizer wants the first no larger than the rest
+        before = flat_params(ddp)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        state = commpress.ddp.register(ddp, codec, optimizer=opt, **opts)
+        compiled = torch.compile(ddp)
+        for step in range(steps):
+            opt.zero_grad(set_to_none=True)
+            x, y = batch(rank, step)
+            F.cross_entropy(compiled(x), y).backward()
+            opt.step()
+        s = state.stats()
+        assert_same_across_ranks(ddp, f"compiled DDP with {codec}")
+        assert_all_ranks(s["steps"] == steps, f"{codec}: the hook counted {s['steps']} of {steps} compiled steps")
+        assert_all_ranks(0 < s["bytes_sent"] < s["dense_bytes"] / 4,
+                         f"{codec}: compressed bytes {s['bytes_sent']} vs dense {s['dense_bytes']}")
+        assert_all_ranks(bool((flat_params(ddp) != before).any()), f"{codec}: the compiled model did not train")
