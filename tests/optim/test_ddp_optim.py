@@ -126,7 +126,6 @@ def test_compressed_training_tracks_dense_with_the_users_sgd(world: int, tmp_pat
     # worst 0.8; sign 97.5, worst 1.0); docs/benchmarks.md
     w.launch(ow.worker_tracks_dense, world, str(tmp_path), 24, 12, timeout=900)
     acc = torch.load(tmp_path / "acc.pt", weights_only=True)
-    print(acc)
     for key, value in acc.items():
         tag = key.split("/")[1]
         # SGD: the 1.5 points. AdamW (1-bit Adam's recipe, 50 dense warm-up steps of
