@@ -1,4 +1,4 @@
-"""Command line: ``python -m commpress {info,train,bench,ps}`` (also installed as ``commpress``).
+"""Command line: ``python -m commpress {info,train,advise,bench,ps}`` (also installed as ``commpress``).
 
 Exit codes: 0 success, 2 usage error (argparse), 1 a run that failed (message on stderr).
 """
@@ -36,9 +36,15 @@ def main(argv: list[str] | None = None) -> int:
     p_train.add_argument("--batch", type=int, help="32-byte windows per rank and step (default 4)")
     p_train.add_argument("--out", default="out", help="folder for the plot train_demo.png (default ./out)")
     p_train.add_argument("--no-baseline", action="store_true", help="skip the dense and fp16 runs (no time to target)")
+    sub.add_parser("advise", add_help=False,
+                   help="predicted step time per option (dense, fp16, each codec, auto) for your model and link (--help)")
     sub.add_parser("bench", add_help=False, help="kernel benchmark: native vs copy_, reference, torch.topk (--help)")
     sub.add_parser("ps", add_help=False, help="parameter-server training under mpirun (python -m commpress.ps --help)")
     args, rest = parser.parse_known_args(argv)
+    if args.command == "advise":
+        from .advise import main as advise_main
+
+        return advise_main(rest)
     if args.command == "bench":
         from .bench_kernels import main as bench_main
 
