@@ -5,6 +5,6 @@
 # progress bars, a closing table (time to dense's loss x1.02) and a plot (out/train_demo.png).
 # Extra arguments go to `python -m commpress train` (see --help), e.g. --codec sign --link 10gbit.
 set -euo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+COMMPRESS_REQUIREMENTS=demo source "$(dirname "${BASH_SOURCE[0]}")/env.sh"  # the demo's short list
 cd "$ROOT"
 exec "$PY" -m commpress train "$@"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sourced by demo.sh and test.sh: create or reuse the venv, install the pinned requirements and
 # build commpress into it. Idempotent; a fresh machine needs nothing but python3 (3.11) and g++.
-# COMMPRESS_VENV picks another venv folder; COMMPRESS_PURE_PYTHON=1 skips the C++ extension.
+# COMMPRESS_VENV picks another venv folder; COMMPRESS_PURE_PYTHON=1 skips the C++ extension;
+# COMMPRESS_REQUIREMENTS=demo installs requirements/demo.txt (demo.sh), else dev.txt (all of CI's).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${COMMPRESS_VENV:-$ROOT/.venv}
@@ -11,13 +12,16 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON_BIN" -m venv "$VENV"
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
-# Requirements are re-installed only when a requirements file changed (stamp = their hash).
-stamp="$VENV/.commpress-requirements"
-want=$(cat "$ROOT"/requirements/*.txt | sha256sum | cut -d' ' -f1)
-if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "[commpress] installing pinned requirements (torch==2.13.0 CPU, numba, pytest, ...)" >&2
-  "${PIP[@]}" install -r "$ROOT/requirements/dev.txt" 2> >(grep -v "^WARNING: Location" >&2)
-  echo "$want" > "$stamp"
+# Requirements are re-installed only when the list changed (one stamp per list = its hash); the
+# demo list is a subset of dev.txt, so a venv with the current dev list needs nothing for the demo.
+REQS=${COMMPRESS_REQUIREMENTS:-dev}
+case "$REQS" in dev|demo) ;; *) echo "[commpress] COMMPRESS_REQUIREMENTS must be dev or demo, got $REQS" >&2; exit 2;; esac
+hash_of() { cat "$ROOT/requirements/$1.txt" "$ROOT/requirements/runtime.txt" | sha256sum | cut -d' ' -f1; }
+stamp_ok() { [ "$(cat "$VENV/.commpress-requirements-$1" 2>/dev/null)" = "$(hash_of "$1")" ]; }
+if ! stamp_ok "$REQS" && ! stamp_ok dev; then
+  echo "[commpress] installing pinned requirements/$REQS.txt (torch==2.13.0 CPU, ...)" >&2
+  "${PIP[@]}" install -r "$ROOT/requirements/$REQS.txt" 2> >(grep -v "^WARNING: Location" >&2)
+  hash_of "$REQS" > "$VENV/.commpress-requirements-$REQS"
 fi
 # The native build says what it does: setup.py's "[commpress setup]" lines and one line per
 # compiled file (ninja's [n/total]); the full output goes to $VENV/build.log.

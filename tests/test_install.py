@@ -113,6 +113,17 @@ def _names(requirements):
     return {re.split(r"[<>=!~ \[;]", r.strip(), maxsplit=1)[0].lower() for r in requirements if r.strip()}
 
 
+def test_the_demo_list_is_a_subset_of_the_dev_list():
+    """scripts/env.sh skips the demo's install when the dev list is current: it must contain the demo's."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("commpress_setup", ROOT / "setup.py")
+    setup_py = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(setup_py)  # setup() itself runs only under __main__
+    demo, dev = setup_py._read_requirements("demo.txt"), setup_py._read_requirements("dev.txt")
+    assert demo and set(demo) <= set(dev), set(demo) - set(dev)
+
+
 def test_runtime_requirements_and_extras_are_in_the_pinned_dev_list():
     import importlib.util
 
