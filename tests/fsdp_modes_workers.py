@@ -79,6 +79,56 @@ def worker_equivalence(rank: int, world: int) -> None:
     assert_all_ranks(default.warmup.steps == 50, "AdamW's default warm-up is not DDP's 50 steps")
 
 
+def worker_discovery(rank: int, world: int) -> None:
+    """Registered without ``optimizer=``: the optimizer stepping the model is adopted after its first
+    step, and the run then equals SGD momentum (nothing dropped, 1e-5) as with ``optimizer=``; AdamW
+    gets the compressed-momentum mode; ``optimizer=None`` and a subset optimizer are left alone; a
+    checkpoint holding velocities needs ``optimizer=`` to resume (clear error)."""
+    every = {"ratio": 1.0, "min_numel": 0, "dense_1d": False}
+    ref, model = make_fsdp(), make_fsdp()
+    state = commpress.fsdp.register(model, "topk", **every)
+    ref_opt, opt = _sgd(ref.parameters(), momentum=0.9), _sgd(model.parameters(), momentum=0.9)
+    assert_all_ranks(state.optimizer is None and state.discovery is not None and state.discovery.pending,
+                     "discovery not pending before the first step")
+    for step in range(6):
+        _step(ref, ref_opt, rank, step)
+        _step(model, opt, rank, step)
+        if step == 0:
+            assert_all_ranks(state.optimizer is opt and state.handover is not None
+                             and opt.param_groups[0]["momentum"] == 0, "SGD not adopted after its first step")
+    diff = float((full_params(ref) - full_params(model)).abs().max())
+    assert_all_ranks(diff < 1e-5, f"discovered SGD momentum differs from SGD momentum by {diff}")
+    saved = state.state_dict()
+    assert_all_ranks(bool(saved["velocity"]), "no velocities saved after adoption")
+    fresh = make_fsdp()
+    pending = commpress.fsdp.register(fresh, "topk", **every)
+    try:
+        pending.load_state_dict(saved)
+    except ValueError as exc:
+        assert_all_ranks("optimizer=" in str(exc), f"unclear error: {exc}")
+    else:
+        assert_all_ranks(False, "velocities loaded into a state that has not adopted an optimizer")
+    adam_model = make_fsdp()
+    adam_state = commpress.fsdp.register(adam_model, "topk", ratio=0.05)
+    adam_opt = torch.optim.AdamW(adam_model.parameters(), lr=1e-3)
+    _step(adam_model, adam_opt, rank, 0)
+    assert_all_ranks(adam_state.adam is not None and adam_state.warmup.steps == 50, "AdamW not adopted")
+    plain = make_fsdp()
+    off = commpress.fsdp.register(plain, "sign", optimizer=None)
+    plain_opt = _sgd(plain.parameters(), momentum=0.9)
+    _step(plain, plain_opt, rank, 0)
+    assert_all_ranks(off.discovery is None and off.handover is None and plain_opt.param_groups[0]["momentum"] == 0.9,
+                     "optimizer=None adopted the optimizer")
+    half = make_fsdp()
+    sub = commpress.fsdp.register(half, "sign")
+    half_opt = _sgd(list(half.parameters())[::2], momentum=0.9)
+    _step(half, half_opt, rank, 0)
+    assert_all_ranks(sub.handover is None and not sub.discovery.pending and half_opt.param_groups[0]["momentum"] == 0.9,
+                     "a subset optimizer was adopted")
+    quiet = make_fsdp()  # QSGD keeps no residuals: nothing to adopt, nothing watched
+    assert_all_ranks(commpress.fsdp.register(quiet, "qsgd").discovery is None, "QSGD watches for an optimizer")
+
+
 def worker_memory(rank: int, world: int, out: str) -> None:
     """``residual_dtype="auto"``: compression state (residuals + velocities) <= one gradient shard,
     for random-k 1% with the user's SGD momentum (the gain: no velocity for compressed parameters)

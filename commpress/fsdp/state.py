@@ -72,9 +72,11 @@ from ..comm.faults import FaultChannel
 from ..errors import CodecError, ConfigurationError
 from ..feedback import ErrorFeedback, check_state_header
 from ..optim import (
+    DISCOVER,
     DivergenceGuard,
     FrozenVarianceAdam,
     MomentumCorrection,
+    OptimizerDiscovery,
     SGDHandover,
     Warmup,
     adopt_adam,
@@ -170,7 +172,9 @@ class FSDPCompressionState(checkpoint.StateFile):
         residual_dtype: ``torch.float32`` (default), ``torch.bfloat16`` (half the memory),
             ``"int8"`` / ``"int4"`` (blockwise, stochastic rounding) or ``"auto"``: the widest that
             keeps the residuals within one gradient shard at this world size (:mod:`.residuals`).
-        optimizer: the user's optimizer (recommended with error feedback): an SGD-like one's
+        optimizer: the user's optimizer; ``"auto"`` (default) adopts the one that steps every
+            compressed parameter, after its first step, where error feedback needs it
+            (:mod:`commpress.optim.discovery`, as on DDP), ``None`` opts out. An SGD-like one's
             momentum moves into the reduce-scatter (the optimizer then runs without momentum;
             ``optimizer.state_dict()`` keeps the settings), Adam/AdamW gets 1-bit Adam's
             compressed momentum with its variance frozen after the warm-up
@@ -217,7 +221,7 @@ class FSDPCompressionState(checkpoint.StateFile):
     __slots__ = (
         "codec", "error_feedback", "residual_dtype", "residual_kind", "seed", "world_size", "rank", "modules",
         "feedback", "_low", "_stats", "_rule", "_group", "faults", "step", "warmup", "guard", "correction",
-        "optimizer", "adam", "handover", "_placement", "_params", "_measured", "allgather",
+        "optimizer", "discovery", "adam", "handover", "_placement", "_params", "_measured", "allgather",
     )
 
     def __init__(
@@ -227,7 +231,7 @@ class FSDPCompressionState(checkpoint.StateFile):
         *,
         error_feedback: bool | None = None,
         residual_dtype: torch.dtype | str = torch.float32,
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: torch.optim.Optimizer | str | None = DISCOVER,
         warmup_steps: int | None = None,
         warmup_codec: str | Codec | None = None,
         divergence_guard: DivergenceGuard | bool = True,
@@ -248,8 +252,9 @@ class FSDPCompressionState(checkpoint.StateFile):
         kind = rstore.resolve_kind(residual_dtype)
         self.warmup = Warmup(warmup_steps, warmup_codec, needed=self.codec.value_blind and error_feedback,
                              compressor=self.codec, where="the all_to_all")
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise CodecError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        discover = isinstance(optimizer, str) and optimizer == DISCOVER
+        if not discover and optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise CodecError(f"optimizer must be a torch.optim.Optimizer, None or {DISCOVER!r}, got {optimizer!r}")
         if isinstance(divergence_guard, bool):
             divergence_guard = DivergenceGuard() if divergence_guard else DivergenceGuard(threshold=0.0)
         if not isinstance(divergence_guard, DivergenceGuard):
@@ -288,12 +293,20 @@ class FSDPCompressionState(checkpoint.StateFile):
             divergence_guard = dataclasses.replace(divergence_guard, threshold=0.0)
         self.guard = divergence_guard
         self.correction = MomentumCorrection()
-        self.optimizer = optimizer
+        self.optimizer: torch.optim.Optimizer | None = None
         self.adam: FrozenVarianceAdam | None = None
         self.handover: SGDHandover | None = None
         self._params = {n: p for n, p in model.named_parameters()}
         self._placement: dict[str, str] = {}  # name -> "shard" | "gain" | "local" (see the module docstring)
-        self._adopt_optimizer(optimizer)
+        self.discovery: OptimizerDiscovery | None = None
+        if discover and self.uses_feedback:
+            # no optimizer= given: adopt the one that steps these parameters, after its first step
+            planned = self._shard_plans()
+            self.discovery = OptimizerDiscovery([self._params[n] for n in planned], self._adopt_optimizer,
+                                                "commpress.fsdp.register")
+        elif not discover:
+            assert not isinstance(optimizer, str)
+            self._adopt_optimizer(optimizer)
         if verify:
             self._verify_ranks(opts.check_timeout(verify_timeout))
         modules = {n or "<root>": m for n, m in model.named_modules() if isinstance(m, FSDPModule)}
@@ -393,7 +406,12 @@ class FSDPCompressionState(checkpoint.StateFile):
         return {p.name: p for m in self.modules for p in m.params}
 
     def _adopt_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
-        """Take the optimizer's momentum where error feedback needs it (:func:`optimizer_mode`, as DDP)."""
+        """Take the optimizer's momentum where error feedback needs it (:func:`optimizer_mode`, as DDP).
+
+        At registration, or after the optimizer's first step when it was discovered: its momentum
+        buffers then become the reduce-scatter's velocities (as after a warm-up).
+        """
+        self.optimizer = optimizer
         mode = optimizer_mode(optimizer, self.codec, uses_feedback=self.uses_feedback, by_hand_momentum=0.0)
         if mode == "unchanged":
             return
@@ -751,6 +769,12 @@ class FSDPCompressionState(checkpoint.StateFile):
         step = state.get("step", min(calls.values(), default=0))
         if not isinstance(step, int) or not 0 <= step < 1 << 62:
             raise ValueError(f"step must be an int in [0, 2**62), got {step!r}")
+        if self.discovery is not None and self.discovery.pending and (state.get("velocity") or state.get("momentum_rules")):
+            raise ValueError(
+                "the checkpoint holds the optimizer's momentum (it was written after the optimizer was "
+                "adopted), but this state has not adopted one yet (no optimizer= given: it is found after "
+                "its first step): register with optimizer=<your optimizer> to resume from it"
+            )
         velocity = MomentumCorrection.load_velocities(dict(state.get("velocity") or {}), self._velocity_numels())
         guard = dataclasses.replace(self.guard)
         if "guard" in state:

@@ -40,6 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 import commpress.ddp
 
 from ..codecs import Codec
+from ..optim import DISCOVER
 
 #: Names registered per accelerator, so that two states never share a file.
 _NAMES: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
@@ -55,7 +56,7 @@ def register(
     model: Any,
     codec: str | Codec,
     *,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: torch.optim.Optimizer | str | None = DISCOVER,
     checkpoint_name: str = "commpress",
     **options: Any,
 ) -> commpress.ddp.CompressionState:
@@ -67,6 +68,8 @@ def register(
         codec: a codec name or a :class:`commpress.codecs.Codec`.
         optimizer: the optimizer ``prepare`` returned (or the plain one); its SGD momentum moves
             into the hook, Adam gets 1-bit Adam's recipe (see :func:`commpress.ddp.register`).
+            ``"auto"`` (default): the optimizer stepping the model is found at its first step
+            (the inner one: Accelerate's wrapper steps it); ``None``: run it unchanged.
         checkpoint_name: file prefix in ``save_state`` directories; distinct per registered model.
         **options: :class:`commpress.ddp.CompressionState` options and codec parameters.
 

@@ -62,6 +62,10 @@ def test_momentum_and_adam_warmup_equal_plain_fsdp() -> None:
     w.launch(mw.worker_equivalence, 2, timeout=240)
 
 
+def test_optimizer_discovered_at_its_first_step() -> None:
+    w.launch(mw.worker_discovery, 2, timeout=240)
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_compression_state_fits_one_shard(world: int, tmp_path: Path) -> None:
     w.launch(mw.worker_memory, world, str(tmp_path), timeout=240)
