@@ -265,7 +265,13 @@ def run_method(method: str, work: Workload, steps: int, warmup: int, eval_every:
             curve.append((step + 1, train_s, metrics["loss"]))
             if "accuracy" in metrics:
                 accuracy.append(metrics["accuracy"])
-            bar.set_postfix(loss=f"{metrics['loss']:.3f}")
+            postfix = {"loss": f"{metrics['loss']:.3f}"}
+            if state is not None:  # what the hook reports, where users look while it trains
+                live = state.stats()
+                postfix["ratio"] = f"{live['compression_ratio']:.1f}x"
+                counted = step + 1 - (warmup if step >= warmup else 0)  # the stats restart at the warm-up
+                postfix["MB/step"] = f"{live['bytes_wire'] / counted / 1e6:.2f}"
+            bar.set_postfix(postfix)
         bar.update()
     bar.close()
     timed = steps - warmup
