@@ -169,6 +169,10 @@ def test_callback_refuses_an_optimizer_argument_and_bad_index() -> None:
         CompressionCallback("topk", optimizer=torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1))
     with pytest.raises(TypeError, match="optimizer_index"):
         CompressionCallback("topk", optimizer_index=-1)
+    with pytest.raises(TypeError, match="log_stats"):
+        CompressionCallback("topk", log_stats="yes")
+    with pytest.raises(TypeError, match="log_prefix"):
+        CompressionCallback("topk", log_prefix=None)
 
 
 def test_callback_needs_the_ddp_strategy() -> None:
