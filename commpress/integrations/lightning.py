@@ -166,8 +166,10 @@ class CompressionCallback(Callback):
         """Log the flattened ``state.stats()`` on global rank 0 when Lightning's loggers write this step."""
         if not self.log_stats or self.state is None or not trainer.is_global_zero:
             return
-        connector = getattr(trainer, "_logger_connector", None)  # Lightning's own log_every_n_steps test
-        if connector is not None and not (connector.should_update_logs or getattr(trainer, "fast_dev_run", False)):
+        # Lightning's own test of log_every_n_steps (private; without it: every step, Lightning keeps the last)
+        connector = getattr(trainer, "_logger_connector", None)
+        due = getattr(connector, "should_update_logs", True) or getattr(trainer, "fast_dev_run", False)
+        if not due:
             return
         metrics = flatten_stats(self.state.stats(), self.log_prefix)
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False, rank_zero_only=True,
