@@ -54,6 +54,7 @@ EXTRAS = {
     "build": ["setuptools>=69", "wheel", "ninja"],  # the native build (--no-build-isolation)
     "lightning": ["lightning>=2.6"],  # commpress.integrations.lightning
     "accelerate": ["accelerate>=1.15"],  # commpress.integrations.accelerate
+    "tensorboard": ["tensorboard>=2.16"],  # state.log_to(SummaryWriter(...)) (commpress.statslog)
     "fuzz": ["atheris>=3.0"],  # scripts/fuzz_wire.py
 }
 EXTRAS["dev"] = sorted({r for reqs in EXTRAS.values() for r in reqs} | {"ruff>=0.6", "mypy>=1.10"})

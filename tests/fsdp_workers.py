@@ -117,10 +117,23 @@ def _expected_residual_bytes(state: commpress.fsdp.FSDPCompressionState) -> int:
     return (state.world_size - 1) * chunks * size
 
 
+class ScalarRecorder:
+    """A writer for ``state.log_to``: keeps every ``add_scalar`` call."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, float, int]] = []
+
+    def add_scalar(self, tag: str, value: float, global_step: int) -> None:
+        self.rows.append((tag, value, global_step))
+
+
 def worker_nonfinite(rank: int, world: int) -> None:
-    """An Inf on rank 0 makes that step's gradients NaN on every rank; residuals untouched."""
+    """An Inf on rank 0 makes that step's gradients NaN on every rank; residuals untouched.
+    And ``log_to``: the reduce-scatter writes the flattened stats every 2 steps, on rank 0 only."""
     model = make_fsdp()
     state = commpress.fsdp.register(model, "topk", ratio=0.05)
+    writer = ScalarRecorder()
+    state.log_to(writer, every=2)
     train(model, rank, range(3))
     before = {k: v.clone() for k, v in state.residuals().items()}
     train(model, rank, range(3, 4), poison=3)
@@ -130,6 +143,15 @@ def worker_nonfinite(rank: int, world: int) -> None:
     assert_all_ranks(state.stats()["nonfinite_slots"] > 0, "no slot counted as non-finite")
     train(model, rank, range(4, 6))
     assert_all_ranks(bool(torch.isfinite(full_params(model)).all()), "training did not recover")
+    written = {(tag, step): value for tag, value, step in writer.rows}
+    if rank == 0:
+        steps = sorted({step for _, _, step in writer.rows})
+        ok = steps == [2, 4, 6] and all(written[("commpress/steps", s)] == s for s in steps)
+        ok = ok and written[("commpress/compression_ratio", 6)] > 5 and written[("commpress/residual_bytes", 6)] > 0
+        ok = ok and written[("commpress/nonfinite_slots", 6)] > 0 and ("commpress/guard_ratio", 6) in written
+        assert_all_ranks(ok, f"log_to wrote {sorted(written)[:8]}... at steps {steps}")
+    else:
+        assert_all_ranks(not writer.rows, f"rank {rank} wrote {len(writer.rows)} scalars")
 
 
 def worker_checkpoint(rank: int, world: int, codec: str, opts: dict[str, Any]) -> None:

@@ -6,7 +6,9 @@ process group from torchrun's environment. Modes: ``full`` trains 2N steps and c
 N; ``resume`` starts new processes from that checkpoint and trains the last N;
 ``lightning/dropped`` resumes from a checkpoint without the callback's entry and
 ``accelerate/unregistered`` loads the checkpoint before registering (the controls: both must
-end elsewhere). Every rank writes ``<mode>_rank<r>.pt`` (final parameters and the hook's step).
+end elsewhere). Every rank writes ``<mode>_rank<r>.pt`` (final parameters and the hook's step;
+Lightning: the ``commpress/*`` metrics the callback logged on it). Lightning ``full`` logs to a
+CSVLogger in ``<out>/logs`` every LOG_EVERY steps (the callback's ``log_stats``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from torch import nn
 CODEC = {"lightning": ("topk", {"ratio": 0.05}), "accelerate": ("sign", {})}
 STEPS = 8  # per half: checkpoint after STEPS, finish after 2 * STEPS
 BATCH = 16
+LOG_EVERY = 4  # Lightning's log_every_n_steps
 
 
 class Net(nn.Module):
@@ -46,15 +49,16 @@ def data(world: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, 32, generator=g), torch.randint(0, 10, (n,), generator=g)
 
 
-def result(out: Path, mode: str, rank: int, model: nn.Module, step: int) -> None:
+def result(out: Path, mode: str, rank: int, model: nn.Module, step: int, metrics: dict | None = None) -> None:
     params = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    torch.save({"params": params, "step": step}, out / f"{mode}_rank{rank}.pt")
+    torch.save({"params": params, "step": step, "metrics": metrics or {}}, out / f"{mode}_rank{rank}.pt")
 
 
 # ----- Lightning ---------------------------------------------------------------------------------
 def run_lightning(mode: str, out: Path) -> None:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
     from torch.utils.data import DataLoader, TensorDataset
 
     from commpress.integrations.lightning import CompressionCallback
@@ -76,7 +80,8 @@ def run_lightning(mode: str, out: Path) -> None:
     codec, opts = CODEC["lightning"]
     callback = CompressionCallback(codec, **opts)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=world, strategy="ddp", max_epochs=2, logger=False,
+        accelerator="cpu", devices=world, strategy="ddp", max_epochs=2, log_every_n_steps=LOG_EVERY,
+        logger=CSVLogger(out / "logs", name="", version=0) if mode == "full" else False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         callbacks=[callback, ModelCheckpoint(dirpath=out / "ckpt", filename="{epoch}", every_n_epochs=1, save_top_k=-1)],
     )
@@ -85,7 +90,8 @@ def run_lightning(mode: str, out: Path) -> None:
     ckpt = {"full": None, "resume": out / "ckpt" / "epoch=0.ckpt", "dropped": out / "dropped.ckpt"}[mode]
     trainer.fit(module, loader, ckpt_path=ckpt, weights_only=True)
     assert callback.state is not None
-    result(out, mode, trainer.global_rank, module.net, callback.state.step)
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("commpress/")}
+    result(out, mode, trainer.global_rank, module.net, callback.state.step, metrics)
 
 
 # ----- Accelerate --------------------------------------------------------------------------------

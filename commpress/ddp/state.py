@@ -33,6 +33,7 @@ from ..optim import (
     optimizer_mode,
 )
 from ..rng import derive_seed
+from ..statslog import PREFIX, ScalarWriter, StatsLogger
 from .auto import AutoInputs, AutoPolicy
 from .checkpointing import DDPCheckpoint
 from .planning import (
@@ -115,6 +116,7 @@ class CompressionState(DDPCheckpoint):
     file_what = "commpress DDP state"
     __slots__ = (  # with DDPCheckpoint's
         "process_group", "plans_by_id", "warmup", "adam", "auto", "faults", "_bucket_plans", "_verify_pending",
+        "_stats_log",
     )
 
     def __init__(
@@ -185,6 +187,7 @@ class CompressionState(DDPCheckpoint):
         self.algorithm = check_algorithm(algorithm, self.codec, self.world_size)
         self.error_feedback = error_feedback
         self.step = 0
+        self._stats_log: StatsLogger | None = None  # log_to's
         self.plans_by_id, self.plans = plan_parameters(
             module.named_parameters(), self.codec,
             min_numel=min_numel, dense_1d=dense_1d, compress_filter=compress_filter,
@@ -459,6 +462,30 @@ class CompressionState(DDPCheckpoint):
         for mode in self.modes:
             mode.end_step(self.step)
         self.step += 1
+        if self._stats_log is not None:
+            self._stats_log.after_step(self.step)
+
+    def log_to(
+        self, writer: ScalarWriter, *, every: int = 50, prefix: str = PREFIX, all_ranks: bool = False
+    ) -> StatsLogger:
+        """Write :meth:`stats` to ``writer`` (a TensorBoard ``SummaryWriter``) every ``every`` steps.
+
+        The hook writes them itself after every ``every``-th step's last bucket, with
+        ``global_step`` the step count (:mod:`commpress.statslog`); call it on every rank, only
+        rank 0 writes unless ``all_ranks``. A later call replaces this logger.
+
+        Args:
+            writer: anything with ``add_scalar(tag, value, global_step)``.
+            every: write after steps ``every, 2 * every, ...``.
+            prefix: tags are ``<prefix>/<key>`` (``commpress/compression_ratio``, ...).
+            all_ranks: write on every rank (give each its own writer or prefix).
+
+        Returns:
+            The :class:`~commpress.statslog.StatsLogger` (``.write(step)`` writes now, ``.stop()`` stops).
+        """
+        self._stats_log = StatsLogger(self.stats, writer, every=every, prefix=prefix, rank=self.rank,
+                                      all_ranks=all_ranks)
+        return self._stats_log
 
     def reset_stats(self) -> None:
         """Zero the counters (the step count is state, it is kept; per-step figures count from here)."""

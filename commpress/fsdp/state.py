@@ -85,6 +85,7 @@ from ..optim import (
 )
 from ..rng import derive_seed
 from ..selection import DEFAULT_MIN_NUMEL, CompressFilter, SelectionRule
+from ..statslog import PREFIX, ScalarWriter, StatsLogger
 from . import residuals as rstore
 from .allgather import ParamAllGather, resolve_param_codec
 from .dcp import DCPState
@@ -222,6 +223,7 @@ class FSDPCompressionState(checkpoint.StateFile):
         "codec", "error_feedback", "residual_dtype", "residual_kind", "seed", "world_size", "rank", "modules",
         "feedback", "_low", "_stats", "_rule", "_group", "faults", "step", "warmup", "guard", "correction",
         "optimizer", "discovery", "adam", "handover", "_placement", "_params", "_measured", "allgather",
+        "_stats_log",
     )
 
     def __init__(
@@ -288,6 +290,7 @@ class FSDPCompressionState(checkpoint.StateFile):
         self.allgather = None if param_codecs is None else ParamAllGather(model, param_codecs[0], self._rule,
                                                                           self.faults, reuse=param_codecs[1])
         self.step = 0
+        self._stats_log: StatsLogger | None = None  # log_to's
         self._measured = False
         if self.feedback is None:  # nothing to watch without residuals (the caller's object untouched)
             divergence_guard = dataclasses.replace(divergence_guard, threshold=0.0)
@@ -531,6 +534,8 @@ class FSDPCompressionState(checkpoint.StateFile):
             self.guard.end_step(self._measured, self._group, device)
         self._measured = False
         self.step += 1
+        if self._stats_log is not None:
+            self._stats_log.after_step(self.step)
 
     # ----- the reduce-scatter ------------------------------------------------------------------
     def reduce(
@@ -680,6 +685,28 @@ class FSDPCompressionState(checkpoint.StateFile):
         if self.allgather is not None:  # the parameter all-gather's counters (commpress.fsdp.allgather)
             s.update(self.allgather.stats())
         return s
+
+    def log_to(
+        self, writer: ScalarWriter, *, every: int = 50, prefix: str = PREFIX, all_ranks: bool = False
+    ) -> StatsLogger:
+        """Write :meth:`stats` to ``writer`` (a TensorBoard ``SummaryWriter``) every ``every`` steps.
+
+        The reduce-scatter writes them itself after every ``every``-th step's last module, with
+        ``global_step`` the step count (:mod:`commpress.statslog`); call it on every rank, only
+        rank 0 writes unless ``all_ranks``. A later call replaces this logger.
+
+        Args:
+            writer: anything with ``add_scalar(tag, value, global_step)``.
+            every: write after steps ``every, 2 * every, ...``.
+            prefix: tags are ``<prefix>/<key>`` (``commpress/compression_ratio``, ...).
+            all_ranks: write on every rank (give each its own writer or prefix).
+
+        Returns:
+            The :class:`~commpress.statslog.StatsLogger` (``.write(step)`` writes now, ``.stop()`` stops).
+        """
+        self._stats_log = StatsLogger(self.stats, writer, every=every, prefix=prefix, rank=self.rank,
+                                      all_ranks=all_ranks)
+        return self._stats_log
 
     def reset_stats(self) -> None:
         """Zero the counters (call counts are state, they are kept)."""

@@ -13,7 +13,12 @@ ignored), and its checkpoints would not carry the per-rank residuals. The callba
    see :mod:`commpress.integrations.ranks`);
 3. ``load_state_dict`` (every rank, on ``fit(ckpt_path=...)``): keeps the entry, and each rank
    loads its own state right after registering, before Lightning restores the optimizer. A
-   resumed run then continues exactly where the checkpointed one was.
+   resumed run then continues exactly where the checkpointed one was;
+4. ``on_train_batch_end`` (``log_stats=True``, the default): global rank 0 logs the state's
+   ``stats()``, flattened to ``commpress/compression_ratio``, ``commpress/bytes_sent``, ...
+   (:func:`commpress.statslog.flatten_stats`), through ``pl_module.log_dict`` on the steps
+   Lightning's logger writes (``Trainer(log_every_n_steps=...)``); per-rank figures, so no
+   ``sync_dist``.
 
 Example::
 
@@ -40,6 +45,7 @@ from torch.nn.parallel import DistributedDataParallel
 import commpress.ddp
 
 from ..codecs import Codec
+from ..statslog import PREFIX, flatten_stats
 from . import ranks
 
 logger = logging.getLogger("commpress")
@@ -53,6 +59,10 @@ class CompressionCallback(Callback):
         optimizer_index: which of ``trainer.optimizers`` goes to ``register(optimizer=...)``
             (its SGD momentum moves into the hook, Adam gets 1-bit Adam's recipe); ``None``
             registers without one. An index past the configured optimizers is an error.
+        log_stats: log rank 0's flattened ``state.stats()`` with ``pl_module.log_dict`` in
+            ``on_train_batch_end``, on the steps the Trainer's loggers write
+            (``log_every_n_steps``); ``False``: not at all.
+        log_prefix: the metrics are named ``<log_prefix>/<key>`` (``commpress/compression_ratio``).
         **options: the options of :class:`commpress.ddp.CompressionState` and the codec's
             parameters (``ratio=0.01``), as for :func:`commpress.ddp.register`.
 
@@ -60,15 +70,29 @@ class CompressionCallback(Callback):
     :class:`~commpress.ddp.CompressionState` (``callback.state.stats()``).
     """
 
-    def __init__(self, codec: str | Codec, *, optimizer_index: int | None = 0, **options: Any) -> None:
+    def __init__(
+        self,
+        codec: str | Codec,
+        *,
+        optimizer_index: int | None = 0,
+        log_stats: bool = True,
+        log_prefix: str = PREFIX,
+        **options: Any,
+    ) -> None:
         super().__init__()
         if "optimizer" in options:
             raise TypeError("CompressionCallback takes optimizer_index=, not optimizer= (Lightning creates it)")
         if optimizer_index is not None and (not isinstance(optimizer_index, int) or optimizer_index < 0):
             raise TypeError(f"optimizer_index must be an int >= 0 or None, got {optimizer_index!r}")
+        if not isinstance(log_stats, bool):
+            raise TypeError(f"log_stats must be a bool, got {log_stats!r}")
+        if not isinstance(log_prefix, str):
+            raise TypeError(f"log_prefix must be a str, got {log_prefix!r}")
         self.codec = codec
         self.optimizer_index = optimizer_index
         self.options = options
+        self.log_stats = log_stats
+        self.log_prefix = log_prefix
         self.state: commpress.ddp.CompressionState | None = None
         self._pending: dict[str, Any] | None = None
         self._device: torch.device | None = None
@@ -134,6 +158,22 @@ class CompressionCallback(Callback):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"trainer.optimizers[{self.optimizer_index}] is a {type(optimizer).__name__}, not a torch optimizer")
         return optimizer
+
+    # ----- logging ----------------------------------------------------------------------------
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """Log the flattened ``state.stats()`` on global rank 0 when Lightning's loggers write this step."""
+        if not self.log_stats or self.state is None or not trainer.is_global_zero:
+            return
+        # Lightning's own test of log_every_n_steps (private; without it: every step, Lightning keeps the last)
+        connector = getattr(trainer, "_logger_connector", None)
+        due = getattr(connector, "should_update_logs", True) or getattr(trainer, "fast_dev_run", False)
+        if not due:
+            return
+        metrics = flatten_stats(self.state.stats(), self.log_prefix)
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False, rank_zero_only=True,
+                           batch_size=1)
 
     # ----- checkpointing ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

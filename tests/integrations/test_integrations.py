@@ -9,6 +9,7 @@ The gather/encode path of commpress.integrations.ranks is tested in one process 
 
 from __future__ import annotations
 
+import csv
 import os
 import signal
 import subprocess
@@ -21,7 +22,7 @@ import torch
 from commpress.integrations import ranks
 
 from ddp_workers import free_port, launch
-from integration_workers import worker_gather
+from integration_workers import LOG_EVERY, STEPS, worker_gather
 
 pytest.importorskip("lightning")
 pytest.importorskip("accelerate")
@@ -75,6 +76,18 @@ def test_lightning_callback_resumes_exactly(tmp_path: Path) -> None:
         assert not same_params(full[r]["params"], dropped[r]["params"])  # the state matters
         assert dropped[r]["step"] == 8  # restarted at 0 without it
     assert same_params(resumed[0]["params"], resumed[1]["params"])
+
+    # log_stats: rank 0's stats reached Lightning's logger on its log_every_n_steps steps
+    with open(tmp_path / "logs" / "version_0" / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows] == list(range(LOG_EVERY - 1, 2 * STEPS, LOG_EVERY))
+    assert [float(r["commpress/steps"]) for r in rows] == [int(r["step"]) + 1 for r in rows]  # the hook's own count
+    sent = [float(r["commpress/bytes_sent"]) for r in rows]
+    assert all(a < b for a, b in zip(sent, sent[1:])) and sent[0] > 0
+    assert all(3 < float(r["commpress/compression_ratio"]) < 20 for r in rows)  # top-k 5% of the weights
+    assert all(float(r["commpress/guard_ratio"]) > 0 for r in rows) and "commpress/guard_fired" in rows[0]
+    assert full[0]["metrics"]["commpress/steps"] == resumed[0]["metrics"]["commpress/steps"] == 2 * STEPS
+    assert full[1]["metrics"] == resumed[1]["metrics"] == {}  # rank 0 only
 
 
 def test_accelerate_register_resumes_exactly(tmp_path: Path) -> None:
@@ -156,6 +169,10 @@ def test_callback_refuses_an_optimizer_argument_and_bad_index() -> None:
         CompressionCallback("topk", optimizer=torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1))
     with pytest.raises(TypeError, match="optimizer_index"):
         CompressionCallback("topk", optimizer_index=-1)
+    with pytest.raises(TypeError, match="log_stats"):
+        CompressionCallback("topk", log_stats="yes")
+    with pytest.raises(TypeError, match="log_prefix"):
+        CompressionCallback("topk", log_prefix=None)
 
 
 def test_callback_needs_the_ddp_strategy() -> None:
