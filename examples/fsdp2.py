@@ -2,7 +2,7 @@
 
 Run::
 
-    torchrun --nproc-per-node 2 examples/fsdp2.py             # 60 steps, ~15 s on 2 CPU cores
+    torchrun --nproc-per-node 2 examples/fsdp2.py             # 60 steps, ~10 s on 2 CPU cores
     torchrun --nproc-per-node 2 examples/fsdp2.py --steps 5   # smoke run
 
 The recommended setting compresses all three volumes of a sharded step: the forward all-gather
