@@ -5,7 +5,7 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$ROOT"
 echo "[commpress] ruff" >&2
-"$PY" -m ruff check commpress tests scripts setup.py
+"$PY" -m ruff check commpress tests scripts examples setup.py
 echo "[commpress] mypy" >&2
 "$PY" -m mypy
 echo "[commpress] pytest" >&2
