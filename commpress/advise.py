@@ -239,14 +239,32 @@ def count_shape(count: str, optimizer: str, bucket_cap_mb: float) -> ModelShape:
 
 def device_costs(world: int, optimizer: str, numel: int | None = None,
                  group: Any = None) -> dict[str, DeviceCost]:
-    """Calibrated per-element costs of each advised codec on this machine (one thread)."""
+    """Calibrated per-element costs of each advised codec on this machine (one thread).
+
+    Under a process group of 2+ ranks, each codec's encode and decode are then rescaled to the
+    whole compressed path run on the group (:func:`~commpress.comm.costmodel.calibrate_compressed`,
+    what ``codec="auto"`` does): frames, fresh buffers and the collectives' CPU work cost more
+    than the codec timed alone (measured here: sign's encode 2-3x).
+    """
+    import torch.distributed as dist
+
+    from .comm.costmodel import calibrate_compressed, calibrate_link
+
+    numel = numel or CALIBRATION_NUMEL
+    on_group = group is not None and dist.get_world_size(group) >= 2
     out = {}
     with _threads(1):
+        local = calibrate_link(group) if on_group else None  # this group's own link, for the path's wire time
         for name, params in CODECS.items():
             codec = codec_registry.get(name, **params)
             feedback = not codec.unbiased  # error feedback's default (commpress.options)
-            out[name] = calibrate_device(codec, feedback=feedback, momentum=optimizer == "sgd" and feedback,
-                                         group=group, numel=numel or CALIBRATION_NUMEL)
+            cost = calibrate_device(codec, feedback=feedback, momentum=optimizer == "sgd" and feedback,
+                                    group=group, numel=numel)
+            if local is not None:
+                n = dist.get_world_size(group)
+                cost = calibrate_compressed(codec, default_algorithm(codec, n), local, cost, feedback=feedback,
+                                            group=group, numel=numel)
+            out[name] = cost
     return out
 
 

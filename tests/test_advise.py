@@ -18,7 +18,7 @@ from commpress.advise import CODECS, ModelShape, advise, count_shape, ddp_bucket
 from commpress.advise import main as advise_main
 from commpress.comm.costmodel import DeviceCost, Entry, Link
 
-from ddp_workers import launch
+from ddp_workers import free_port, launch
 
 ROOT = Path(__file__).resolve().parents[1]
 FREE = DeviceCost(0.0, 0.0, 0.0, 0.0)  # no device costs: predictions are the link's alone
@@ -76,6 +76,18 @@ def test_cli_table_plot_and_json(tmp_path):
     assert data["world"] == 4 and data["compute_s"] == pytest.approx(0.05)
     steps = {o["name"]: o["step_s"] for o in data["options"]}
     assert all(s > 0.05 for s in steps.values())
+
+
+def test_under_torchrun_every_rank_measures_and_rank_0_prints(tmp_path):
+    js = tmp_path / "advise.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           "-m", "commpress", "advise", "--params", "2M", "--compute-ms", "10", "--plot", "", "--json", str(js),
+           "--calibration-numel", "65536"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("fastest predicted:") == 1  # rank 0 only
+    data = json.loads(js.read_text())
+    assert data["world"] == 2 and {o["name"] for o in data["options"]} >= {"dense", "fp16", "sign", "auto"}
 
 
 @pytest.mark.parametrize("args, message", [
