@@ -1,10 +1,11 @@
 """Ranks of the preemption test, one process each (``python tests/preemption_workers.py PHASE RANK ...``).
 
 Own processes rather than ``mp.spawn``, so the test reads each rank's exit code. Phases:
-``full`` trains ``total`` steps uninterrupted; ``preempt`` installs the handler and sends
-SIGTERM to rank ``signal_rank`` before step ``signal_at`` (the handler saves on every rank and
-exits with its code); ``resume`` loads what ``preempt`` saved and trains to ``total``. ``full``
-and ``resume`` write their final parameters for the test to compare.
+``preempt`` installs the handler and sends SIGTERM to rank ``signal_rank`` before step
+``signal_at`` (the handler saves on every rank and exits with its code); ``resume`` first trains
+``total`` steps uninterrupted (fresh model, optimizer and state: the reference), then fresh ones
+again load what ``preempt`` saved and train to ``total``; ``full`` is the reference alone. Both
+write their final parameters for the test to compare.
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ def main(phase: str, rank: int, world: int, init_file: str, outdir: str, total: 
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
         timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
     )
+    if phase == "resume":  # the uninterrupted reference first, in objects of its own: two launches fewer
+        train("full", rank, Path(outdir), total, signal_rank, signal_at)
+        gc.collect()
     train(phase, rank, Path(outdir), total, signal_rank, signal_at)
     gc.collect()  # free the DDP reducer before the process group goes (see ddp_workers._quiesce)
     dist.barrier()

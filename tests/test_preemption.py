@@ -1,8 +1,8 @@
 """Preemption (:mod:`commpress.preemption`): SIGTERM on one rank stops every rank after the same step.
 
-The end-to-end test runs real processes (their exit codes are the point): an uninterrupted run,
-a run whose rank 1 gets SIGTERM, and a restart from what every rank saved; the restart must end
-bit for bit where the uninterrupted run did. The unit tests run in this process, without a
+The end-to-end test runs real processes (their exit codes are the point): a run whose rank 1
+gets SIGTERM, then fresh processes that train uninterrupted and then restart from what every
+rank saved; the restart must end bit for bit where the uninterrupted run did. The unit tests run in this process, without a
 process group.
 """
 
@@ -58,26 +58,21 @@ def _wait(procs: list[subprocess.Popen[bytes]], timeout: float = 120.0) -> list[
 
 @pytest.mark.timeout(240)
 def test_sigterm_on_one_rank_saves_every_rank_at_one_step_and_resumes_bit_exact(tmp_path: Path) -> None:
-    ref, run = tmp_path / "ref", tmp_path / "run"
-    ref.mkdir()
-    run.mkdir()
-    full, preempted = _run_ranks("full", tmp_path, ref), _run_ranks("preempt", tmp_path, run)
-    for code, out in _wait(full):
-        assert code == 0, out
-    results = _wait(preempted)
+    results = _wait(_run_ranks("preempt", tmp_path, tmp_path))
     for rank, (code, out) in enumerate(results):
         assert code == EXIT_CODE, f"rank {rank} exited with {code}, expected {EXIT_CODE}:\n{out}"
-    saved = [json.loads((run / f"saved-rank{rank}.json").read_text()) for rank in range(WORLD)]
+    saved = [json.loads((tmp_path / f"saved-rank{rank}.json").read_text()) for rank in range(WORLD)]
     # rank 1 is signalled before step 5 and posts at the end of it (5 + 1 steps done): stop after 8
     expected = stop_step(SIGNAL_AT + 1)
     assert [s["step"] for s in saved] == [expected] * WORLD, saved
     assert [s["signalled"] for s in saved] == [None, int(signal.SIGTERM)], saved
-    for code, out in _wait(_run_ranks("resume", tmp_path, run)):
+    # fresh processes: the uninterrupted reference, then the restart from the saved files
+    for code, out in _wait(_run_ranks("resume", tmp_path, tmp_path)):
         assert code == 0, out
-    finals = [torch.load(ref / f"final-full-rank{r}.pt", weights_only=True) for r in range(WORLD)]
+    finals = [torch.load(tmp_path / f"final-full-rank{r}.pt", weights_only=True) for r in range(WORLD)]
     assert torch.equal(finals[0], finals[1]), "the uninterrupted run's ranks differ"
     for rank in range(WORLD):
-        resumed = torch.load(run / f"final-resume-rank{rank}.pt", weights_only=True)
+        resumed = torch.load(tmp_path / f"final-resume-rank{rank}.pt", weights_only=True)
         assert torch.equal(resumed, finals[rank]), f"rank {rank}: the resumed run differs from the uninterrupted one"
 
 
