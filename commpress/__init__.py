@@ -16,11 +16,12 @@ from ._version import __version__ as __version__
 from .errors import CodecError, WireError
 from .feedback import ErrorFeedback
 from .info import info
+from .preemption import PreemptionHandler, install_preemption_handler
 from .wire.packet import Packet
 
 __all__ = [
-    "CodecError", "ErrorFeedback", "Packet", "WireError", "codecs", "comm", "ddp", "feedback", "fsdp", "integrations",
-    "info", "ps", "wire",
+    "CodecError", "ErrorFeedback", "Packet", "PreemptionHandler", "WireError", "codecs", "comm", "ddp", "feedback", "fsdp", "integrations",
+    "info", "install_preemption_handler", "ps", "wire",
 ]
 
 # Loaded on first use: they import torch.distributed (and mpi4py for ps), which plain codec

@@ -1,0 +1,81 @@
+"""Ranks of the preemption test, one process each (``python tests/preemption_workers.py PHASE RANK ...``).
+
+Own processes rather than ``mp.spawn``, so the test reads each rank's exit code. Phases:
+``preempt`` installs the handler and sends SIGTERM to rank ``signal_rank`` before step
+``signal_at`` (the handler saves on every rank and exits with its code); ``resume`` first trains
+``total`` steps uninterrupted (fresh model, optimizer and state: the reference), then fresh ones
+again load what ``preempt`` saved and train to ``total``; ``full`` is the reference alone. Both
+write their final parameters for the test to compare.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import io
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import commpress  # noqa: E402
+import commpress.ddp  # noqa: E402
+from commpress.checkpoint import write_private  # noqa: E402
+
+from ddp_workers import COLLECTIVE_TIMEOUT_S, flat_params, make_ddp, train_step  # noqa: E402
+
+
+def train(phase: str, rank: int, out: Path, total: int, signal_rank: int, signal_at: int) -> None:
+    ddp = make_ddp()
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    state = commpress.ddp.register(ddp, "topk", ratio=0.05, optimizer=opt)
+    start = 0
+    if phase == "resume":
+        ckpt = torch.load(out / f"ckpt-rank{rank}.pt", weights_only=True)
+        ddp.module.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optim"])
+        state.load(str(out / f"commpress-rank{rank}.cpst"))
+        start = int(ckpt["step"])
+
+    def save(step: int) -> None:
+        buf = io.BytesIO()
+        torch.save({"model": ddp.module.state_dict(), "optim": opt.state_dict(), "step": step}, buf)
+        write_private(str(out / f"ckpt-rank{rank}.pt"), buf.getvalue())  # atomic, like state.save
+        state.save(str(out / f"commpress-rank{rank}.cpst"))
+        (out / f"saved-rank{rank}.json").write_text(json.dumps({"step": step, "signalled": handler.signalled}))
+
+    if phase == "preempt":
+        handler = commpress.install_preemption_handler(state, save)
+    for step in range(start, total):
+        if phase == "preempt" and rank == signal_rank and step == signal_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        train_step(ddp, opt, rank, step)
+    if phase == "preempt":
+        raise SystemExit(f"rank {rank}: trained to the end, the handler never stopped it")
+    torch.save(flat_params(ddp), out / f"final-{phase}-rank{rank}.pt")
+
+
+def main(phase: str, rank: int, world: int, init_file: str, outdir: str, total: int, signal_rank: int, signal_at: int) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
+    if phase == "resume":  # the uninterrupted reference first, in objects of its own: two launches fewer
+        train("full", rank, Path(outdir), total, signal_rank, signal_at)
+        gc.collect()
+    train(phase, rank, Path(outdir), total, signal_rank, signal_at)
+    gc.collect()  # free the DDP reducer before the process group goes (see ddp_workers._quiesce)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    p, r, w, f, o, n, sr, sa = sys.argv[1:9]
+    main(p, int(r), int(w), f, o, int(n), int(sr), int(sa))
