@@ -928,7 +928,8 @@ bool blockint_encode_blocks(const BlockIntEncodeArgs& a, int64_t b0, int64_t b1,
       const CT<T> safe = scales[b] > CT<T>(0) ? scales[b] : CT<T>(1);
       blockint_elems<T>(x, safe, a.qmax, fields - t0, s, end);
     });
-    pack_tile<Bits>(fields, t1 - t0, a.packed + t0 / 8 * Bits);
+    // t0 is even but (odd blocks) not always a multiple of 8: the byte offset is t0 * Bits / 8
+    pack_tile<Bits>(fields, t1 - t0, a.packed + t0 * Bits / 8);
   }
   return true;
 }

@@ -360,3 +360,26 @@ def test_native_ops_trace_with_opcheck():
     s, f = torch.ops.commpress.blockint_encode(x, 4, 256)
     torch.library.opcheck(torch.ops.commpress.blockint_encode.default, (x, 4, 256))
     torch.library.opcheck(torch.ops.commpress.blockint_decode.default, (s, f, 4, 256, torch.zeros(1000), True))
+
+
+@needs_native
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("block", [1, 7, 255, 256, 40_000])
+def test_native_kernels_split_across_threads_give_the_specification(bits, block):
+    """Several parallel chunks (odd blocks: chunk boundaries on whole 4-bit bytes), every ISA."""
+    x = torch.randn(300_001, generator=torch.Generator().manual_seed(block)) * 10
+    x[::997] = 0
+    s_ref, f_ref = spec.encode_reference(x, bits, block)
+    y_ref = torch.empty_like(x)
+    spec.decode_reference(s_ref, f_ref, bits, block, y_ref)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(2, threads))
+    try:
+        for isa in ISAS:
+            with _isa(isa):
+                s, f = ops.blockint_encode(x, bits, block)
+                y = torch.empty_like(x)
+                ops.blockint_decode(s, f, bits, block, y, False)
+            assert torch.equal(s, s_ref) and torch.equal(f, f_ref) and torch.equal(y, y_ref), isa
+    finally:
+        torch.set_num_threads(threads)
