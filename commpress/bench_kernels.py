@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch.utils.benchmark import Timer
 
-from .kernels import backends, ops
+from .kernels import backends, ops, schema
 from .spec import qsgd as qsgd_ref
 from .spec import randomk as randomk_ref
 from .spec import sign as sign_ref
@@ -259,7 +259,8 @@ def available_backends(device: str) -> tuple[list[str], dict[str, str]]:
     ok: list[str] = []
     skipped: dict[str, str] = {}
     reason = ops.load_native()
-    missing = [op for op in ops.native_ops() if device not in ops.native_ops()[op]]
+    timed_ops = [op for op in ops.native_ops() if op not in schema.BLOCKINT_OPS]  # int8/int4: native CPU only
+    missing = [op for op in timed_ops if device not in ops.native_ops()[op]]
     if reason is not None or missing:
         skipped["native"] = reason or f"built without {device} kernels for {missing}"
     else:
@@ -268,7 +269,7 @@ def available_backends(device: str) -> tuple[list[str], dict[str, str]]:
         if dev != device:
             continue
         why = backends.unavailable(name)
-        if why is None and not all(backends.supports(name, op, device) for op in ops.native_ops()):
+        if why is None and not all(backends.supports(name, op, device) for op in timed_ops):
             why = "does not implement every op"
         if why is None:
             ok.append(name)

@@ -61,6 +61,13 @@ TORCH_LIBRARY(commpress, m) {
   // the scatter adds values back at the same indices, regenerated from the seed.
   m.def("randomk_gather(Tensor x, int k, int seed, bool scaled) -> Tensor");
   m.def("randomk_scatter_add(Tensor values, int seed, Tensor(a!) out) -> ()");
+  // Block-scaled integers (int8 / int4, commpress/spec/blockint.py): per block of block_size
+  // elements (a longer block is the whole tensor) the scale absmax / q_max in x's compute
+  // dtype, q_max = 127 (bits 8) or 7 (bits 4), and per element the field
+  // clamp(round_half_even(x / scale), -q_max, q_max) + q_max, packed LSB-first. NaN/Inf, or a
+  // scale whose q_max multiple overflows x's dtype, raises. Decode: (field - q_max) * scale.
+  m.def("blockint_encode(Tensor x, int bits, int block_size) -> (Tensor scales, Tensor packed)");
+  m.def("blockint_decode(Tensor scales, Tensor packed, int bits, int block_size, Tensor(a!) out, bool accumulate=True) -> ()");
 
   // The instruction-set variant of the CPU kernels ("default", "avx2", "avx512"): returns the
   // active one after switching to `isa` (empty: no change). For tests and benchmarks.

@@ -1,6 +1,9 @@
-"""Speed of the int8/int4 codec: the vectorised fast path against its pure-torch specification.
+"""Speed of the int8/int4 codec: the fast path against its pure-torch specification.
 
     python scripts/bench_blockint.py [--numel 4194304] [--threads 1]
+
+The fast path is the native kernels where built (else vectorised torch; ``COMMPRESS_DISABLE_NATIVE=1``
+times that). Against ``copy_`` through the codec API: ``scripts/bench_encode_api.py --codec int8 --decode``.
 """
 
 from __future__ import annotations

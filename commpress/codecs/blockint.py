@@ -5,8 +5,8 @@ Every block of ``block_size`` elements (default 256) gets one scale ``absmax / q
 ``[-q_max, q_max]``, rounded half to even; decode is ``q * scale``. The arithmetic, the error
 bound (half a step: ``|x' - x| <= scale / 2`` up to the roundings stated there), zero blocks,
 exact grid values and idempotence are the specification in :mod:`commpress.spec.blockint`;
-the encode and decode run the vectorised fast path :mod:`commpress.kernels.blockint`, bit for
-bit the specification.
+the encode and decode run the fast path :mod:`commpress.kernels.blockint` (the native kernels
+where built, else vectorised torch), bit for bit the specification.
 
 Made for the FSDP parameter all-gather (``commpress.fsdp.register(..., param_codec="int8")``):
 parameters need a bounded per-element error and the same bytes for the same input on every

@@ -7,7 +7,7 @@
 - :mod:`.checks`: the kernel contract, one argument check per op, run before any backend;
 - :mod:`.reference`: the pure-torch backend, each op run on its specification (:mod:`commpress.spec`);
 - :mod:`.numba_cpu`, :mod:`.cupy_cuda`: the Python backends (imported on first use);
-- :mod:`.blockint`: the int8/int4 codecs' vectorised-torch fast path (not yet a dispatcher op).
+- :mod:`.blockint`: the int8/int4 codecs' fast path (the native ops, else vectorised torch).
 
 Nothing here knows about codecs' wire layouts, collectives or DDP.
 """

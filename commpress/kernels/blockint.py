@@ -1,11 +1,16 @@
-"""Fast path of the ``int8`` / ``int4`` codecs: vectorised torch, bit for bit :mod:`commpress.spec.blockint`.
+"""Fast paths of the ``int8`` / ``int4`` codecs, bit for bit :mod:`commpress.spec.blockint`.
 
-The same IEEE operations as the specification in the same dtype (so the same bits), without
-its copies: no padding copy when the length is a multiple of the block (the tail block is
-handled on its own), the division, rounding and clamp in place, the scale broadcast over a
-``(blocks, block)`` view instead of repeated per element, and bit packing through
-:func:`commpress.kernels.ops.pack_bits` (the native kernel when built). Not yet a dispatcher op
-with native/numba/CuPy kernels: tests/codecs/test_blockint.py checks it against the reference.
+:func:`encode` and :func:`decode` run the dispatcher ops ``commpress::blockint_encode`` /
+``blockint_decode`` where the native extension has them for the tensor's device (the C++ CPU
+kernels of ``csrc/cpu/blockint.cpp``: one pass over the input, AVX-512 for float32), and
+otherwise (no extension, ``COMMPRESS_DISABLE_NATIVE``, CUDA tensors, another backend chosen by
+:func:`commpress.kernels.ops.use_backend`) the vectorised torch path below: the same IEEE
+operations as the specification in the same dtype (so the same bits), without its copies: no
+padding copy when the length is a multiple of the block (the tail block is handled on its
+own), the division, rounding and clamp in place, the scale broadcast over a ``(blocks,
+block)`` view instead of repeated per element, and bit packing through
+:func:`commpress.kernels.ops.pack_bits`. tests/codecs/test_blockint.py checks both against the
+reference.
 """
 
 from __future__ import annotations
@@ -25,8 +30,19 @@ def _rows(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor | Non
     return full, (x[whole:] if whole < x.numel() else None)
 
 
+def _native(op: str, device_type: str) -> bool:
+    return ops.backend_for(op, device_type) == "native"
+
+
 def encode(x: torch.Tensor, bits: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(scales, packed)`` of a contiguous 1-D tensor, identical to ``encode_reference``."""
+    if _native("blockint_encode", x.device.type):
+        return ops.blockint_encode(x, bits, block_size)
+    return encode_torch(x, bits, block_size)
+
+
+def encode_torch(x: torch.Tensor, bits: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`encode` in vectorised torch (any device), the fallback of the native op."""
     require_finite(x)
     qmax = QMAX[bits]
     ct = compute_dtype(x.dtype)
@@ -58,6 +74,15 @@ def encode(x: torch.Tensor, bits: int, block_size: int) -> tuple[torch.Tensor, t
 def decode(scales: torch.Tensor, packed: torch.Tensor, bits: int, block_size: int, out: torch.Tensor,
            accumulate: bool = False) -> None:
     """``out (+)= q_i * s_b`` into a contiguous 1-D ``out``, identical to ``decode_reference``."""
+    if _native("blockint_decode", out.device.type):
+        ops.blockint_decode(scales, packed, bits, block_size, out, accumulate)
+        return
+    decode_torch(scales, packed, bits, block_size, out, accumulate)
+
+
+def decode_torch(scales: torch.Tensor, packed: torch.Tensor, bits: int, block_size: int, out: torch.Tensor,
+                 accumulate: bool = False) -> None:
+    """:func:`decode` in vectorised torch (any device); a fresh decode may leave a -0 the reference makes +0."""
     numel = out.numel()
     if numel == 0:
         return

@@ -25,12 +25,16 @@ from .. import rng
 from ..dtypes import FLOAT_DTYPES, accumulate_dtype
 from ..errors import KernelArgumentError, NonFiniteError
 from ..spec.bitpack import SUPPORTED_BITS
+from ..spec.blockint import QMAX
 from ..spec.qsgd import QSGD_BITS, max_levels
 from ..spec.topk import bad_index as bad_index
 from . import schema
 
 #: Largest value of the native schemas' ``int`` (int64).
 INT64_MAX = (1 << 63) - 1
+
+#: Field widths of the int8 / int4 ops.
+BLOCKINT_BITS = tuple(sorted(QMAX, reverse=True))
 
 
 def fail(op: str, message: str) -> KernelArgumentError:
@@ -231,6 +235,35 @@ def check_qsgd_decode(a: schema.QsgdDecode) -> str:
     return out.device.type
 
 
+def _blockint(op: str, bits: Any, block_size: Any) -> None:
+    _bits(op, bits, BLOCKINT_BITS)
+    _int(op, "block_size", block_size, 1)
+
+
+def check_blockint_encode(a: schema.BlockintEncode) -> str:
+    """``blockint_encode``: bits 8 or 4, block_size >= 1 (a longer block is the whole tensor)."""
+    op = "blockint_encode"
+    _floats(op, "x", a.x)
+    _blockint(op, a.bits, a.block_size)
+    return a.x.device.type
+
+
+def check_blockint_decode(a: schema.BlockintDecode) -> str:
+    """``blockint_decode``: one scale per block and ``bits`` bits per output."""
+    op, out, bits = "blockint_decode", a.out, a.bits
+    _floats(op, "out", out)
+    _blockint(op, bits, a.block_size)
+    _companion(op, "scales", a.scales, out, "out", accumulate_dtype(out.dtype))
+    _companion(op, "packed", a.packed, out, "out", torch.uint8)
+    n = out.numel()
+    need = n_blocks(n, effective_block(n, a.block_size))
+    if a.scales.numel() != need:
+        raise fail(op, f"scales has {a.scales.numel()} elements, {n} outputs in blocks of {a.block_size} need {need}")
+    if a.packed.numel() != packed_nbytes(n, bits):
+        raise fail(op, f"packed has {a.packed.numel()} bytes, {n} fields of bits={bits} need {packed_nbytes(n, bits)}")
+    return out.device.type
+
+
 def check_topk_select(a: schema.TopkSelect) -> str:
     """``topk_select``."""
     op, x, k = "topk_select", a.x, a.k
@@ -293,6 +326,8 @@ CHECKS: dict[str, Callable[[Any], str]] = {
     "sparse_scatter_add": check_sparse_scatter_add,
     "randomk_gather": check_randomk_gather,
     "randomk_scatter_add": check_randomk_scatter_add,
+    "blockint_encode": check_blockint_encode,
+    "blockint_decode": check_blockint_decode,
 }
 
 

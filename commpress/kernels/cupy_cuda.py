@@ -59,9 +59,9 @@ from .cupy_launch import (
 from .cupy_nvrtc import Launcher, compile_unit, module_source, unavailable
 from .schema import implements
 
-OPS = frozenset(schema.OP_NAMES)  # all of them
+OPS = frozenset(schema.OP_NAMES) - frozenset(schema.BLOCKINT_OPS)  # all but int8/int4
 
-__all__ = [  # the ops (schema.OP_NAMES), then entry points of the rooms below, imported from here
+__all__ = [  # the ops (OPS), then entry points of the rooms below, imported from here
     "pack_bits", "unpack_bits", "sign_encode", "sign_decode", "qsgd_encode", "qsgd_decode",
     "topk_select", "sparse_scatter_add", "randomk_gather", "randomk_scatter_add",
     "CSRC", "OPS", "UNITS", "compile_unit", "launch_params", "module_source", "unavailable",

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ..dtypes import index_dtype
+from ..dtypes import accumulate_dtype, index_dtype
 from ..errors import CodecError, KernelArgumentError, NonFiniteError
 from . import backends, checks, reference, schema
 
@@ -183,10 +183,16 @@ def _register_fakes() -> None:
     def _randomk_gather_fake(x: torch.Tensor, k: int, seed: int, scaled: bool) -> torch.Tensor:
         return x.new_empty(k)
 
+    @torch.library.register_fake("commpress::blockint_encode")
+    def _blockint_encode_fake(x: torch.Tensor, bits: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = x.numel()
+        nb = checks.n_blocks(n, checks.effective_block(n, block_size))
+        return x.new_empty(nb, dtype=accumulate_dtype(x.dtype)), x.new_empty(packed_nbytes(n, bits), dtype=torch.uint8)
+
     def _writes_out_only(*args: Any) -> None:
         return None  # these ops only write into the ``out`` they are given
 
-    for op in ("sign_decode", "qsgd_decode", "sparse_scatter_add", "randomk_scatter_add"):
+    for op in ("sign_decode", "qsgd_decode", "sparse_scatter_add", "randomk_scatter_add", "blockint_decode"):
         torch.library.register_fake(f"commpress::{op}")(_writes_out_only)
 
 
@@ -324,3 +330,16 @@ def randomk_gather(x: torch.Tensor, k: int, seed: int, scaled: bool) -> torch.Te
 def randomk_scatter_add(values: torch.Tensor, seed: int, out: torch.Tensor) -> None:
     """``out[idx] += values`` at the seed's random-k indices (1-D contiguous ``out``)."""
     call("randomk_scatter_add", _contiguous(values), _signed_seed(seed), out)
+
+
+# ----- int8 / int4 --------------------------------------------------------------------------------
+def blockint_encode(x: torch.Tensor, bits: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scales, packed)`` of the int8/int4 codecs for 1-D ``x``; see :func:`commpress.spec.blockint.encode_reference`."""
+    scales, packed = call("blockint_encode", x, bits, block_size)
+    return scales, packed
+
+
+@schema.implements(schema.BlockintDecode)
+def blockint_decode(a: schema.BlockintDecode) -> None:
+    """``out = decode(scales, packed)``, or ``+=`` with ``accumulate``, for int8/int4 (1-D contiguous ``out``)."""
+    call("blockint_decode", *a)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .. import rng
-from ..spec import qsgd, randomk, sign, topk
+from ..spec import blockint, qsgd, randomk, sign, topk
 from ..spec.bitpack import pack_bits_reference, unpack_bits_reference
 from . import checks, schema
 from .schema import implements
@@ -84,3 +84,16 @@ def randomk_gather(a: schema.RandomkGather) -> torch.Tensor:
 def randomk_scatter_add(a: schema.RandomkScatterAdd) -> None:
     """:func:`commpress.spec.randomk.scatter_add_reference`."""
     randomk.scatter_add_reference(a.values, _unsigned(a.seed), a.out)
+
+
+@implements(schema.BlockintEncode)
+def blockint_encode(a: schema.BlockintEncode) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`commpress.spec.blockint.encode_reference` (a block longer than x is one block)."""
+    return blockint.encode_reference(a.x, a.bits, checks.effective_block(a.x.numel(), a.block_size))
+
+
+@implements(schema.BlockintDecode)
+def blockint_decode(a: schema.BlockintDecode) -> None:
+    """:func:`commpress.spec.blockint.decode_reference`."""
+    block = checks.effective_block(a.out.numel(), a.block_size)
+    blockint.decode_reference(a.scales, a.packed, a.bits, block, a.out, a.accumulate)

@@ -115,6 +115,25 @@ class RandomkScatterAdd(NamedTuple):
     out: torch.Tensor
 
 
+class BlockintEncode(NamedTuple):
+    """``blockint_encode(Tensor x, int bits, int block_size) -> (Tensor scales, Tensor packed)``."""
+
+    x: torch.Tensor
+    bits: int
+    block_size: int
+
+
+class BlockintDecode(NamedTuple):
+    """``blockint_decode(Tensor scales, Tensor packed, int bits, int block_size, Tensor(a!) out, bool accumulate=True)``."""
+
+    scales: torch.Tensor
+    packed: torch.Tensor
+    bits: int
+    block_size: int
+    out: torch.Tensor
+    accumulate: bool = True
+
+
 #: op name -> its argument record, in the order of ``csrc/registration.cpp``.
 SIGNATURES: dict[str, Callable[..., tuple[Any, ...]]] = {
     "pack_bits": PackBits,
@@ -127,10 +146,16 @@ SIGNATURES: dict[str, Callable[..., tuple[Any, ...]]] = {
     "sparse_scatter_add": SparseScatterAdd,
     "randomk_gather": RandomkGather,
     "randomk_scatter_add": RandomkScatterAdd,
+    "blockint_encode": BlockintEncode,
+    "blockint_decode": BlockintDecode,
 }
 
 #: Every commpress kernel op.
 OP_NAMES = tuple(SIGNATURES)
+
+#: The int8/int4 ops: native CPU kernels and the reference only (no numba, CuPy or CUDA
+#: kernels yet); without the extension :mod:`commpress.kernels.blockint` runs its torch path.
+BLOCKINT_OPS = ("blockint_encode", "blockint_decode")
 
 
 def implements(record: Callable[P, A]) -> Callable[[Callable[[A], R]], Callable[P, R]]:

@@ -128,6 +128,35 @@ using TopkCompactFn = int64_t (*)(const void* x, int64_t i0, int64_t i1, double 
                                   int64_t* idx, double* val, int64_t cap,
                                   std::atomic<bool>* bad);
 
+// Block-scaled integers (int8 / int4): the scales of blocks [b0, b1) and the fields of their
+// elements. b0 * block is a multiple of 2 (whole packed bytes for 4 bits). Returns false, with
+// no field written, when an element of those blocks is NaN or Inf; otherwise *top is the
+// largest scale written (as a double; 0 for none).
+struct BlockIntEncodeArgs {
+  const void* x;
+  void* scales;  // compute dtype, one per block
+  uint8_t* packed;
+  int64_t n;
+  int64_t block;
+  int qmax;
+};
+using BlockIntEncodeFn = bool (*)(const BlockIntEncodeArgs&, int64_t b0, int64_t b1, double* top);
+
+// out[i] = (field_i - q_max) * s_b rounded to out's dtype (-0 as +0), or out[i] += that.
+struct BlockIntDecodeArgs {
+  const void* scales;
+  const uint8_t* packed;
+  void* out;
+  int64_t n;
+  int64_t block;
+  int qmax;
+  bool accumulate;
+};
+using BlockIntDecodeFn = void (*)(const BlockIntDecodeArgs&, int64_t i0, int64_t i1);
+
+// Index of a blockint width in the tables: 4 -> 0, 8 -> 1.
+inline int blockint_bits_index(int64_t bits) { return bits == 4 ? 0 : 1; }
+
 // Index of a bits value in the tables: 2 -> 0, 4 -> 1, 8 -> 2.
 inline int qsgd_bits_index(int64_t bits) { return bits == 2 ? 0 : bits == 4 ? 1 : 2; }
 
@@ -139,6 +168,8 @@ struct Kernels {
   QsgdEncodeFn qsgd_encode[4][2][3];  // [dtype][has residual][bits index]
   QsgdDecodeFn qsgd_decode[4][3];
   TopkCompactFn topk_compact[4];
+  BlockIntEncodeFn blockint_encode[4][2];  // [dtype][bits index]
+  BlockIntDecodeFn blockint_decode[4][2];
 };
 
 // The table in use: the widest variant this CPU supports, unless select_isa() chose another.

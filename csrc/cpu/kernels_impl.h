@@ -761,6 +761,224 @@ int64_t topk_compact(const void* xv, int64_t i0, int64_t i1, double threshold, i
   return count;
 }
 
+// ----- blockint (int8 / int4) --------------------------------------------------------------------
+
+#if COMMPRESS_AVX512
+// max |x| of the float32 block segment [s, end), s a multiple of 16 (the < 16 tail in scalar);
+// sets *nonfinite when one is NaN or Inf.
+inline float blockint_amax_f32(const float* __restrict__ x, int64_t s, int64_t end,
+                               bool* nonfinite) {
+  const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+  __m512 m0 = _mm512_setzero_ps();
+  __m512 m1 = _mm512_setzero_ps();
+  __mmask16 nf = 0;
+  int64_t i = s;
+  for (; i + 32 <= end; i += 32) {
+    const __m512 v0 = _mm512_abs_ps(_mm512_loadu_ps(x + i));
+    const __m512 v1 = _mm512_abs_ps(_mm512_loadu_ps(x + i + 16));
+    nf |= _mm512_cmp_ps_mask(v0, inf, _CMP_NLT_UQ) | _mm512_cmp_ps_mask(v1, inf, _CMP_NLT_UQ);
+    m0 = _mm512_max_ps(m0, v0);
+    m1 = _mm512_max_ps(m1, v1);
+  }
+  if (i + 16 <= end) {
+    const __m512 v0 = _mm512_abs_ps(_mm512_loadu_ps(x + i));
+    nf |= _mm512_cmp_ps_mask(v0, inf, _CMP_NLT_UQ);
+    m0 = _mm512_max_ps(m0, v0);
+    i += 16;
+  }
+  float m = _mm512_reduce_max_ps(_mm512_max_ps(m0, m1));
+  bool bad = nf != 0;
+  for (; i < end; ++i) {
+    const float v = fabs_(x[i]);
+    bad |= !(v <= Elem<float>::kMax);
+    m = v > m ? v : m;
+  }
+  *nonfinite |= bad;
+  return m;
+}
+
+// Fields of the float32 segment [s, s + 16m), s a multiple of 16, packed at their place;
+// returns where it stopped. The same operations as blockint_field on 16 lanes.
+template <int Bits>
+inline int64_t blockint_encode_f32(const float* __restrict__ x, float safe, int qmax,
+                                   uint8_t* __restrict__ packed, int64_t s, int64_t end) {
+  const __m512 vs = _mm512_set1_ps(safe);
+  const __m512 hi = _mm512_set1_ps(static_cast<float>(qmax));
+  const __m512 lo = _mm512_set1_ps(-static_cast<float>(qmax));
+  auto fields16 = [&](int64_t i) {
+    const __m512 q = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + i), vs),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 c = _mm512_min_ps(_mm512_max_ps(q, lo), hi);
+    return _mm512_cvtps_epi32(_mm512_add_ps(c, hi));  // an exact integer: no rounding
+  };
+  int64_t i = s;
+  for (; i + 32 <= end; i += 32) {
+    store_fields32<Bits>(fields16(i), fields16(i + 16), packed + i / 8 * Bits);
+  }
+  if (i + 16 <= end) {
+    store_fields16<Bits>(fields16(i), packed + i / 8 * Bits);
+    i += 16;
+  }
+  return i;
+}
+
+template <bool Accumulate, int Bits>
+inline int64_t blockint_decode_f32(const uint8_t* __restrict__ packed, float sc, int qmax,
+                                   float* __restrict__ out, int64_t s, int64_t end) {
+  const __m512 vs = _mm512_set1_ps(sc);
+  const __m512 vq = _mm512_set1_ps(static_cast<float>(qmax));
+  int64_t i = s;
+  for (; i + 16 <= end; i += 16) {
+    const __m512i f = load_fields16<Bits>(packed + i / 8 * Bits);
+    const __m512 v = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(f), vq), vs);
+    // out + v, or v + 0 (a fresh decode adds to zeros: -0 becomes +0)
+    const __m512 base = Accumulate ? _mm512_loadu_ps(out + i) : _mm512_setzero_ps();
+    _mm512_storeu_ps(out + i, _mm512_add_ps(base, v));
+  }
+  return i;
+}
+#endif  // COMMPRESS_AVX512
+
+// max |x| of [s, end) in the compute dtype; sets *nonfinite when one is NaN or Inf.
+template <class T>
+COMMPRESS_HD CT<T> blockint_amax(const T* __restrict__ x, int64_t s, int64_t end,
+                                 bool* nonfinite) {
+  constexpr int kStep = 16;
+  CT<T> m = CT<T>(0);
+  bool bad = false;
+  int64_t i = s;
+  for (; i + kStep <= end; i += kStep) {
+    CT<T> v[kStep];
+    for (int j = 0; j < kStep; ++j) {
+      v[j] = fabs_(Elem<T>::load(x[i + j]));
+      bad |= !(v[j] <= std::numeric_limits<CT<T>>::max());
+    }
+    for (int j = 0; j < kStep; ++j) {
+      m = v[j] > m ? v[j] : m;
+    }
+  }
+  for (; i < end; ++i) {
+    const CT<T> v = fabs_(Elem<T>::load(x[i]));
+    bad |= !(v <= std::numeric_limits<CT<T>>::max());
+    m = v > m ? v : m;
+  }
+  *nonfinite |= bad;
+  return m;
+}
+
+template <class T>
+COMMPRESS_HD void blockint_elems(const T* __restrict__ x, CT<T> safe, int qmax,
+                                 uint8_t* __restrict__ tile, int64_t s, int64_t end) {
+  for (int64_t i = s; i < end; ++i) {
+    tile[i] = blockint_field<CT<T>>(Elem<T>::load(x[i]), safe, qmax);
+  }
+}
+
+template <class T, int Bits>
+bool blockint_encode_blocks(const BlockIntEncodeArgs& a, int64_t b0, int64_t b1, double* top) {
+  const T* __restrict__ x = static_cast<const T*>(a.x);
+  CT<T>* __restrict__ scales = static_cast<CT<T>*>(a.scales);
+  const CT<T> qm = static_cast<CT<T>>(a.qmax);
+  const bool fast = use_fast<T>(a.block, a.n);
+  bool bad = false;
+  CT<T> largest = CT<T>(0);
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t s = b * a.block;
+    const int64_t end = s + a.block < a.n ? s + a.block : a.n;
+    CT<T> m;
+#if COMMPRESS_AVX512
+    if constexpr (std::is_same_v<T, float>) {
+      m = fast ? blockint_amax_f32(x, s, end, &bad) : blockint_amax<T>(x, s, end, &bad);
+    } else {
+      m = blockint_amax<T>(x, s, end, &bad);
+    }
+#else
+    m = blockint_amax<T>(x, s, end, &bad);
+#endif
+    const CT<T> sc = m / qm;
+    scales[b] = sc;
+    largest = sc > largest ? sc : largest;
+  }
+  *top = static_cast<double>(largest);
+  if (bad) {
+    return false;  // the op raises; fields of NaN/Inf are never converted
+  }
+  const int64_t i0 = b0 * a.block;
+  const int64_t i1 = b1 * a.block < a.n ? b1 * a.block : a.n;
+  alignas(64) uint8_t fields[kTile];
+#if COMMPRESS_AVX512
+  if constexpr (std::is_same_v<T, float>) {
+    if (fast && i0 % 16 == 0) {
+      for_segments(i0, i1, a.block, [&](int64_t s, int64_t end, int64_t b) {
+        const float safe = scales[b] > 0.0f ? scales[b] : 1.0f;
+        const int64_t i = blockint_encode_f32<Bits>(x, safe, a.qmax, a.packed, s, end);
+        if (i < end) {  // the last < 16 elements of the tensor; i is a multiple of 16
+          blockint_elems<T>(x, safe, a.qmax, fields - i, i, end);
+          pack_tile<Bits>(fields, end - i, a.packed + i / 8 * Bits);
+        }
+      });
+      return true;
+    }
+  }
+#endif
+  (void)fast;
+  for (int64_t t0 = i0; t0 < i1; t0 += kTile) {
+    const int64_t t1 = t0 + kTile < i1 ? t0 + kTile : i1;
+    for_segments(t0, t1, a.block, [&](int64_t s, int64_t end, int64_t b) {
+      const CT<T> safe = scales[b] > CT<T>(0) ? scales[b] : CT<T>(1);
+      blockint_elems<T>(x, safe, a.qmax, fields - t0, s, end);
+    });
+    // t0 is even but (odd blocks) not always a multiple of 8: the byte offset is t0 * Bits / 8
+    pack_tile<Bits>(fields, t1 - t0, a.packed + t0 * Bits / 8);
+  }
+  return true;
+}
+
+template <bool Acc, class T>
+COMMPRESS_HD void blockint_decode_elems(const uint8_t* __restrict__ tile, CT<T> sc, int qmax,
+                                        T* __restrict__ out, int64_t s, int64_t end) {
+  for (int64_t i = s; i < end; ++i) {
+    out[i] = decode_into<Acc, T>(out[i], blockint_value<CT<T>>(tile[i], sc, qmax));
+  }
+}
+
+template <class T, int Bits, bool Acc>
+void blockint_decode_range_impl(const BlockIntDecodeArgs& a, int64_t i0, int64_t i1) {
+  const CT<T>* __restrict__ scales = static_cast<const CT<T>*>(a.scales);
+  T* __restrict__ out = static_cast<T*>(a.out);
+  alignas(64) uint8_t fields[kTile];
+#if COMMPRESS_AVX512
+  if constexpr (std::is_same_v<T, float>) {
+    if (use_fast<T>(a.block, a.n) && i0 % 16 == 0) {
+      for_segments(i0, i1, a.block, [&](int64_t s, int64_t end, int64_t b) {
+        const int64_t i = blockint_decode_f32<Acc, Bits>(a.packed, scales[b], a.qmax, out, s, end);
+        if (i < end) {
+          unpack_tile<Bits>(a.packed + i / 8 * Bits, end - i, fields);
+          blockint_decode_elems<Acc, T>(fields - i, scales[b], a.qmax, out, i, end);
+        }
+      });
+      return;
+    }
+  }
+#endif
+  for (int64_t t0 = i0; t0 < i1; t0 += kTile) {
+    const int64_t t1 = t0 + kTile < i1 ? t0 + kTile : i1;
+    unpack_tile<Bits>(a.packed + t0 / 8 * Bits, t1 - t0, fields);
+    for_segments(t0, t1, a.block, [&](int64_t s, int64_t end, int64_t b) {
+      blockint_decode_elems<Acc, T>(fields - t0, scales[b], a.qmax, out, s, end);
+    });
+  }
+}
+
+template <class T, int Bits>
+void blockint_decode_range(const BlockIntDecodeArgs& a, int64_t i0, int64_t i1) {
+  if (a.accumulate) {
+    blockint_decode_range_impl<T, Bits, true>(a, i0, i1);
+  } else {
+    blockint_decode_range_impl<T, Bits, false>(a, i0, i1);
+  }
+}
+
 // ----- the table ---------------------------------------------------------------------------------
 
 template <int Kind, class T>
@@ -787,6 +1005,11 @@ constexpr SumFn sum_entry(bool has_e) {
 #define COMMPRESS_QSGD_DEC(T) \
   { &qsgd_decode_range<T, 2>, &qsgd_decode_range<T, 4>, &qsgd_decode_range<T, 8> }
 
+#define COMMPRESS_BLOCKINT_ENC(T) \
+  { &blockint_encode_blocks<T, 4>, &blockint_encode_blocks<T, 8> }
+#define COMMPRESS_BLOCKINT_DEC(T) \
+  { &blockint_decode_range<T, 4>, &blockint_decode_range<T, 8> }
+
 }  // namespace
 
 extern const Kernels table;
@@ -805,11 +1028,17 @@ const Kernels table = {
     {COMMPRESS_QSGD_DEC(float), COMMPRESS_QSGD_DEC(Half), COMMPRESS_QSGD_DEC(BFloat16),
      COMMPRESS_QSGD_DEC(double)},
     {&topk_compact<float>, &topk_compact<Half>, &topk_compact<BFloat16>, &topk_compact<double>},
+    {COMMPRESS_BLOCKINT_ENC(float), COMMPRESS_BLOCKINT_ENC(Half),
+     COMMPRESS_BLOCKINT_ENC(BFloat16), COMMPRESS_BLOCKINT_ENC(double)},
+    {COMMPRESS_BLOCKINT_DEC(float), COMMPRESS_BLOCKINT_DEC(Half),
+     COMMPRESS_BLOCKINT_DEC(BFloat16), COMMPRESS_BLOCKINT_DEC(double)},
 };
 
 #undef COMMPRESS_SUM_ROW
 #undef COMMPRESS_QSGD_ENC
 #undef COMMPRESS_QSGD_DEC
+#undef COMMPRESS_BLOCKINT_ENC
+#undef COMMPRESS_BLOCKINT_DEC
 
 }  // namespace COMMPRESS_ISA_NS
 }  // namespace cpu

@@ -112,4 +112,45 @@ COMMPRESS_HD CT qsgd_value(CT norm, CT ratio) {
   return mul_rn(norm, ratio);
 }
 
+// ----- blockint (int8 / int4) ----------------------------------------------------------
+// Block-scaled symmetric integers (commpress/spec/blockint.py): per block, s = amax / q_max
+// in CT (0 for an all-zero block); per element field = clamp(rne(w / safe), -q_max, q_max)
+// + q_max with safe = s > 0 ? s : 1; decoded element = (field - q_max) * s.
+
+// 1.5 * 2**(mantissa bits): (v + k) - k is v rounded to an integer, ties to even, in the
+// default rounding mode, for |v| < 2**22 (float) / 2**51 (double). Two IEEE operations, so no
+// <cmath> (NVRTC has none) and the same bits as torch.round on every ISA.
+template <class CT>
+struct RneMagic;
+template <>
+struct RneMagic<float> {
+  static constexpr float k = 12582912.0f;
+};
+template <>
+struct RneMagic<double> {
+  static constexpr double k = 6755399441055744.0;
+};
+
+// rne(v) for the quotients of the encode: |w / safe| <= amax / s < 2 * q_max + 1 when s > 0
+// (s is amax / q_max correctly rounded, or a subnormal within a factor 2 of it), and
+// |w| < q_max * 2**-149 when s underflows to 0 (safe = 1).
+template <class CT>
+COMMPRESS_HD CT rne_small(CT v) {
+  return (v + RneMagic<CT>::k) - RneMagic<CT>::k;
+}
+
+template <class CT>
+COMMPRESS_HD uint8_t blockint_field(CT w, CT safe, int qmax) {
+  const CT q = rne_small<CT>(w / safe);
+  const CT hi = static_cast<CT>(qmax);
+  const CT c = q < -hi ? -hi : (q > hi ? hi : q);
+  return static_cast<uint8_t>(static_cast<int>(c) + qmax);
+}
+
+// Decoded element of a field: (field - q_max) * s, the subtraction exact, the product rounded.
+template <class CT>
+COMMPRESS_HD CT blockint_value(uint32_t field, CT scale, int qmax) {
+  return mul_rn(static_cast<CT>(field) - static_cast<CT>(qmax), scale);
+}
+
 }  // namespace commpress
