@@ -160,7 +160,7 @@ def optimizer_kind(optimizer: torch.optim.Optimizer | None) -> str:
     return "adam" if is_adam_like(optimizer) else "sgd" if is_sgd_like(optimizer) else "none"
 
 
-def time_compute(step: Callable[[], None], reps: int = 5, warmup: int = 2) -> float:
+def time_compute(step: Callable[[], None], reps: int = 15, warmup: int = 3) -> float:
     """Median seconds of ``step()`` after ``warmup`` untimed calls."""
     for _ in range(warmup):
         step()
@@ -262,8 +262,9 @@ def device_costs(world: int, optimizer: str, numel: int | None = None,
                                     group=group, numel=numel)
             if local is not None:
                 n = dist.get_world_size(group)
+                # 9 runs, not auto's 5: advise runs once, before training, and can afford a steadier median
                 cost = calibrate_compressed(codec, default_algorithm(codec, n), local, cost, feedback=feedback,
-                                            group=group, numel=numel)
+                                            group=group, numel=numel, reps=9)
             out[name] = cost
     return out
 
