@@ -385,6 +385,18 @@ def worker_discovery(rank: int, world: int) -> None:
     for step in range(1, 6):
         train_step(ddp, opt, rank, step)
         assert_same_across_ranks(ddp, f"discovered step {step}")
+    # a discovered run is the run with optimizer=: the velocities start from the first step's local
+    # gradients, not from the optimizer's buffer of the averaged compressed one
+    for codec, opts in (("topk", {"ratio": 0.05}), ("sign", {})):
+        runs = []
+        for passed in (True, False):
+            ddp = make_ddp()
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+            commpress.ddp.register(ddp, codec, **opts, **({"optimizer": opt} if passed else {}))
+            for step in range(6):
+                train_step(ddp, opt, rank, step)
+            runs.append(torch.cat([p.detach().reshape(-1) for p in ddp.parameters()]))
+        assert_all_ranks(torch.equal(runs[0], runs[1]), f"{codec}: the discovered run differs from optimizer=")
     # optimizer=None: the optimizer keeps its momentum
     ddp = make_ddp()
     state = commpress.ddp.register(ddp, "sign", optimizer=None)

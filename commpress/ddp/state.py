@@ -13,11 +13,12 @@ import torch.distributed as dist
 from .. import comm
 from .. import options as opts
 from ..codecs import Codec
+from ..codecs.base import all_finite
 from ..comm import CommStats, check_algorithm
 from ..comm.agreement import check_same_config
 from ..comm.faults import FaultChannel
 from ..errors import CodecError
-from ..feedback import ErrorFeedback
+from ..feedback import ErrorFeedback, residual_dtype
 from ..optim import (
     DISCOVER,
     DivergenceGuard,
@@ -116,7 +117,7 @@ class CompressionState(DDPCheckpoint):
     file_what = "commpress DDP state"
     __slots__ = (  # with DDPCheckpoint's
         "process_group", "plans_by_id", "warmup", "adam", "auto", "faults", "_bucket_plans", "_verify_pending",
-        "_stats_log",
+        "_stats_log", "_first_gradients",
     )
 
     def __init__(
@@ -210,11 +211,13 @@ class CompressionState(DDPCheckpoint):
             rule = MomentumRule(self.momentum)
             self.correction.rules = {name: rule for name in self.plans}
         self.discovery: OptimizerDiscovery | None = None
+        #: each parameter's local gradient of the step before an optimizer is discovered
+        self._first_gradients: dict[str, torch.Tensor] = {}
         if discover and auto is None and self.uses_feedback and not self.momentum:
             # no optimizer= given: adopt the one that steps these parameters, after its first step
             params = [p for n, p in module.named_parameters() if n in self.plans]
-            self.discovery = OptimizerDiscovery(
-                params, lambda opt: self._adopt_optimizer(module, opt, momentum_masking), "commpress.ddp.register")
+            self.discovery = OptimizerDiscovery(params, lambda opt: self._discovered(module, opt, momentum_masking),
+                                                "commpress.ddp.register")
         else:
             self._adopt_optimizer(module, optimizer, momentum_masking)
         first = next(module.parameters(), None)
@@ -311,6 +314,30 @@ class CompressionState(DDPCheckpoint):
                    f"warmup_steps={self.warmup.steps}, {len(config['params'])} parameters")
         check_same_config(config, summary=summary, group=self.process_group, timeout_s=timeout_s,
                           what="commpress.ddp.register")
+
+    def keep_first_gradients(self, plan: BucketPlan, buffer: torch.Tensor) -> None:
+        """While an optimizer is still to be discovered: keep the bucket's local gradients (one step).
+
+        Passed as ``optimizer=``, the hook's first velocity is each rank's own gradient; the
+        discovered optimizer's momentum buffer after that step is the *averaged, compressed* one.
+        Starting the velocities from the kept local gradients instead makes a discovered run the
+        same run as one with ``optimizer=`` (test: ``tests/optim_workers.py::worker_discovery``).
+        Costs one gradient copy for one step.
+        """
+        if self.discovery is None or not self.discovery.pending:
+            self._first_gradients.clear()  # adopted, or refused (a subset optimizer): nothing to start
+            return
+        for p, off in zip(plan.params, plan.offsets):
+            self._first_gradients[p.name] = buffer[off : off + p.numel].to(residual_dtype(buffer.dtype), copy=True)
+
+    def _discovered(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, masking: bool | None) -> None:
+        """Adopt the optimizer found after its first step; velocities start from the kept local gradients."""
+        self._adopt_optimizer(module, optimizer, masking)
+        if self.handover is not None and self.adam is None:
+            for name, g in self._first_gradients.items():
+                if name in self.correction.rules and all_finite(g):
+                    self.correction.velocity[name] = g
+        self._first_gradients = {}
 
     def _adopt_optimizer(
         self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, masking: bool | None
