@@ -324,8 +324,10 @@ class CompressionState(DDPCheckpoint):
         same run as one with ``optimizer=`` (test: ``tests/optim_workers.py::worker_discovery``).
         Costs one gradient copy for one step.
         """
-        if self.discovery is None or not self.discovery.pending:
-            self._first_gradients.clear()  # adopted, or refused (a subset optimizer): nothing to start
+        if self.discovery is None or not self.discovery.pending or self.correction.rules:
+            # adopted, refused (a subset optimizer), or resumed: a checkpoint's rules and velocities
+            # already run in the hook this step, and they go on as they were saved
+            self._first_gradients.clear()
             return
         for p, off in zip(plan.params, plan.offsets):
             self._first_gradients[p.name] = buffer[off : off + p.numel].to(residual_dtype(buffer.dtype), copy=True)
