@@ -57,7 +57,7 @@ def _reduce(state: CompressionState, bucket: dist.GradBucket, buffer: torch.Tens
         if option == "compressed" and state.momentum_in_optimizer:
             option = "dense"  # decided mid-step: it compresses once the hook has the momentum back
     compressing = warmup_codec is None and not dense and option in (None, "compressed")
-    if state.discovery is not None:  # no optimizer= yet: its first step's local gradients start the velocities
+    if state.keeping_first_gradients:  # no optimizer= yet: its first step's local gradients start the velocities
         state.keep_first_gradients(plan, buffer)
     if state.momentum_rules and not state.momentum_in_optimizer:
         state.apply_momentum(plan, buffer, compressing=compressing)

@@ -117,7 +117,7 @@ class CompressionState(DDPCheckpoint):
     file_what = "commpress DDP state"
     __slots__ = (  # with DDPCheckpoint's
         "process_group", "plans_by_id", "warmup", "adam", "auto", "faults", "_bucket_plans", "_verify_pending",
-        "_stats_log", "_first_gradients",
+        "_stats_log", "_first_gradients", "keeping_first_gradients",
     )
 
     def __init__(
@@ -213,11 +213,14 @@ class CompressionState(DDPCheckpoint):
         self.discovery: OptimizerDiscovery | None = None
         #: each parameter's local gradient of the step before an optimizer is discovered
         self._first_gradients: dict[str, torch.Tensor] = {}
+        #: the hook calls keep_first_gradients only while this is True (off the hot path after adoption)
+        self.keeping_first_gradients = False
         if discover and auto is None and self.uses_feedback and not self.momentum:
             # no optimizer= given: adopt the one that steps these parameters, after its first step
             params = [p for n, p in module.named_parameters() if n in self.plans]
             self.discovery = OptimizerDiscovery(params, lambda opt: self._discovered(module, opt, momentum_masking),
                                                 "commpress.ddp.register")
+            self.keeping_first_gradients = True
         else:
             self._adopt_optimizer(module, optimizer, momentum_masking)
         first = next(module.parameters(), None)
@@ -328,6 +331,7 @@ class CompressionState(DDPCheckpoint):
             # adopted, refused (a subset optimizer), or resumed: a checkpoint's rules and velocities
             # already run in the hook this step, and they go on as they were saved
             self._first_gradients.clear()
+            self.keeping_first_gradients = False
             return
         for p, off in zip(plan.params, plan.offsets):
             self._first_gradients[p.name] = buffer[off : off + p.numel].to(residual_dtype(buffer.dtype), copy=True)
@@ -340,6 +344,7 @@ class CompressionState(DDPCheckpoint):
                 if name in self.correction.rules and all_finite(g):
                     self.correction.velocity[name] = g
         self._first_gradients = {}
+        self.keeping_first_gradients = False
 
     def _adopt_optimizer(
         self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, masking: bool | None
