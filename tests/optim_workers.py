@@ -360,20 +360,25 @@ def worker_example_mode(rank: int, world: int) -> None:
 
 
 def worker_discovery(rank: int, world: int) -> None:
-    """Registered without ``optimizer=``: the optimizer stepping the model is adopted after its first
-    step (its momentum buffers become velocities); ``optimizer=None``, a subset optimizer and another
-    model's optimizer are left alone."""
-    # adopted: sign + the user's SGD momentum, the optimizer built after register
+    """Registered without ``optimizer=``: the optimizer stepping the model is found at the first
+    bucket, or (built only after the first backward) adopted after its first step; either way the
+    run is the run with ``optimizer=``; ``optimizer=None``, a subset optimizer and another model's
+    optimizer are left alone."""
+    # adopted after its first step: sign + the user's SGD momentum, the optimizer built after the
+    # first backward (nothing to find at the first bucket)
     ddp = make_ddp()
     state = commpress.ddp.register(ddp, "sign")
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9, nesterov=True)
     other = nn.Linear(3, 3)  # another model's optimizer stepping first is not adopted
     other_opt = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
     other(torch.ones(1, 3)).sum().backward()
     other_opt.step()
     assert state.optimizer is None and state.discovery is not None and state.discovery.pending
     assert other_opt.param_groups[0]["momentum"] == 0.9
-    train_step(ddp, opt, rank, 0)
+    x, y = batch(rank, 0)
+    nn.functional.cross_entropy(ddp(x), y).backward()
+    assert state.optimizer is None and state.discovery.pending  # no optimizer of this model existed
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9, nesterov=True)
+    opt.step()
     assert state.optimizer is opt and not state.discovery.pending
     group = opt.param_groups[0]
     assert group["momentum"] == 0 and group["commpress_momentum"]["momentum"] == 0.9, group
@@ -385,18 +390,33 @@ def worker_discovery(rank: int, world: int) -> None:
     for step in range(1, 6):
         train_step(ddp, opt, rank, step)
         assert_same_across_ranks(ddp, f"discovered step {step}")
-    # a discovered run is the run with optimizer=: the velocities start from the first step's local
+    # a discovered run is the run with optimizer=, bit for bit: found at the first bucket (the
+    # optimizer built before training, after or before register; AdamW's warm-up then covers
+    # step 0), or adopted after its first step with the velocities started from that step's local
     # gradients, not from the optimizer's buffer of the averaged compressed one
-    for codec, opts in (("topk", {"ratio": 0.05}), ("sign", {})):
+    sgd = lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9)  # noqa: E731
+    adamw = lambda params: torch.optim.AdamW(params, lr=1e-3)  # noqa: E731
+    for codec, opts, make_opt, when in (
+        ("topk", {"ratio": 0.05}, sgd, "first bucket"), ("sign", {}, sgd, "first bucket"),
+        ("topk", {"ratio": 0.05}, adamw, "first bucket"), ("sign", {}, adamw, "first bucket"),
+        ("topk", {"ratio": 0.05}, sgd, "after its step"), ("sign", {}, sgd, "after its step"),
+    ):
         runs = []
         for passed in (True, False):
             ddp = make_ddp()
-            opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-            commpress.ddp.register(ddp, codec, **opts, **({"optimizer": opt} if passed else {}))
-            for step in range(6):
+            opt = make_opt(ddp.parameters()) if passed or when == "first bucket" else None
+            state = commpress.ddp.register(ddp, codec, **opts, **({"optimizer": opt} if passed else {}))
+            if opt is None:  # built after the first backward: adopted after its first step
+                x, y = batch(rank, 0)
+                nn.functional.cross_entropy(ddp(x), y).backward()
+                opt = make_opt(ddp.parameters())
+                opt.step()
+            for step in range(0 if when == "first bucket" or passed else 1, 6 + (50 if make_opt is adamw else 0)):
                 train_step(ddp, opt, rank, step)
+            assert state.optimizer is opt, (codec, when, passed)
             runs.append(torch.cat([p.detach().reshape(-1) for p in ddp.parameters()]))
-        assert_all_ranks(torch.equal(runs[0], runs[1]), f"{codec}: the discovered run differs from optimizer=")
+        assert_all_ranks(torch.equal(runs[0], runs[1]),
+                         f"{codec}, {type(opt).__name__}, adopted at the {when}: the discovered run differs from optimizer=")
     # optimizer=None: the optimizer keeps its momentum
     ddp = make_ddp()
     state = commpress.ddp.register(ddp, "sign", optimizer=None)

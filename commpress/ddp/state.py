@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -82,9 +82,9 @@ class CompressionState(DDPCheckpoint):
             momentum moves into the hook (:mod:`commpress.optim.sgd`) and Adam/AdamW's is
             compressed with its variance frozen after warm-up (:mod:`commpress.optim.adam`);
             otherwise it runs untouched (:func:`commpress.optim.optimizer_mode` says which and
-            why). ``"auto"`` (default): the optimizer that steps these parameters is adopted
-            after its first step (:mod:`commpress.optim.discovery`; not with ``codec="auto"``
-            or ``momentum=``); ``None``: the optimizer is left alone.
+            why). ``"auto"`` (default): the optimizer that steps these parameters is found at the
+            first bucket, or else adopted after its first step (:mod:`commpress.optim.discovery`;
+            not with ``codec="auto"`` or ``momentum=``); ``None``: the optimizer is left alone.
         momentum: DGC's momentum correction by hand (Lin et al., 2018) for an optimizer *without*
             momentum: a local velocity ``u = momentum * u + g`` per parameter is compressed
             (through error feedback) instead of ``g`` (:mod:`commpress.optim.momentum`). 0: off.
@@ -117,7 +117,7 @@ class CompressionState(DDPCheckpoint):
     file_what = "commpress DDP state"
     __slots__ = (  # with DDPCheckpoint's
         "process_group", "plans_by_id", "warmup", "adam", "auto", "faults", "_bucket_plans", "_verify_pending",
-        "_stats_log", "_first_gradients", "keeping_first_gradients",
+        "_stats_log", "_first_gradients", "keeping_first_gradients", "_find_optimizer",
     )
 
     def __init__(
@@ -215,12 +215,15 @@ class CompressionState(DDPCheckpoint):
         self._first_gradients: dict[str, torch.Tensor] = {}
         #: the hook calls keep_first_gradients only while this is True (off the hot path after adoption)
         self.keeping_first_gradients = False
+        #: set while discovery may still find the optimizer before the first bucket (then run once)
+        self._find_optimizer: Callable[[], None] | None = None
         if discover and auto is None and self.uses_feedback and not self.momentum:
             # no optimizer= given: adopt the one that steps these parameters, after its first step
             params = [p for n, p in module.named_parameters() if n in self.plans]
             self.discovery = OptimizerDiscovery(params, lambda opt: self._discovered(module, opt, momentum_masking),
                                                 "commpress.ddp.register")
             self.keeping_first_gradients = True
+            self._find_optimizer = lambda: self._adopt_if_found(module, momentum_masking, timeout)
         else:
             self._adopt_optimizer(module, optimizer, momentum_masking)
         first = next(module.parameters(), None)
@@ -336,6 +339,20 @@ class CompressionState(DDPCheckpoint):
         for p, off in zip(plan.params, plan.offsets):
             self._first_gradients[p.name] = buffer[off : off + p.numel].to(residual_dtype(buffer.dtype), copy=True)
 
+    def _adopt_if_found(self, module: torch.nn.Module, masking: bool | None, timeout_s: float) -> None:
+        """At a fresh run's first bucket: adopt the optimizer already built, as if passed (all ranks agree)."""
+        if self.step != 0 or self.correction.rules or self.discovery is None:
+            return  # resumed: the checkpoint's rules run, and the step hook adopts after this step
+        optimizer = self.discovery.find_existing()
+        found = type(optimizer).__name__ if optimizer is not None else None
+        # a rank adopting while another does not would send frames of other sizes
+        check_same_config({"optimizer_found_before_step_0": found}, summary=f"optimizer found: {found}",
+                          group=self.process_group, timeout_s=timeout_s,
+                          what="the first backward after commpress.ddp.register")
+        if optimizer is not None:
+            self.keeping_first_gradients = False
+            self._adopt_optimizer(module, optimizer, masking)
+
     def _discovered(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, masking: bool | None) -> None:
         """Adopt the optimizer found after its first step; velocities start from the kept local gradients."""
         self._adopt_optimizer(module, optimizer, masking)
@@ -382,10 +399,13 @@ class CompressionState(DDPCheckpoint):
             self.handover.place()
 
     def before_bucket(self) -> None:
-        """Run a deferred ``verify=False`` check; start Adam's compressed momentum after warm-up."""
+        """Run a deferred ``verify=False`` check and the optimizer search; start Adam's compressed momentum after warm-up."""
         if self._verify_pending is not None:
             timeout_s, self._verify_pending = self._verify_pending, None
             self._verify_ranks(timeout_s)
+        if self._find_optimizer is not None:
+            find, self._find_optimizer = self._find_optimizer, None
+            find()
         if self.adam is not None and not self.adam.active and self.step >= self.warmup.steps:
             self.adam.start(self.correction)
 

@@ -8,9 +8,13 @@ hook after every ``Optimizer.step`` (``register_optimizer_step_post_hook``): :cl
 watches it until an optimizer steps the adapter's parameters, hands that optimizer to the
 adapter, which from the next step on behaves as if it had been passed, and stops watching.
 
-Adoption happens *after* that first step, so the step runs as the user built it: the first
-gradient is reduced without the mode and the optimizer applies its own momentum to it; its
-momentum buffers then become the hook's velocities (as after a warm-up). An optimizer that
+Before the first gradient is reduced, :meth:`OptimizerDiscovery.find_existing` looks among the
+live objects for the optimizer (users build it before their first backward): found, it is
+adopted there, and the run is the run with ``optimizer=`` from its first step (AdamW included,
+whose warm-up must cover step 0: byte LM, 2 ranks, 200 steps, adopted after the first step
+instead: top-k 1% +4.88% held-out loss vs dense and sign +2.20%, against +2.02% / +0.64% with
+``optimizer=``). Otherwise adoption happens *after* that first step: the first gradient is
+reduced without the mode and the optimizer applies its own momentum to it. An optimizer that
 steps only some of the adapter's parameters (several optimizers, a subset) is not adopted: a log
 line names it and what to pass instead, and everything runs unchanged. Every rank runs the same
 training code, so every rank adopts at the same step.
@@ -18,6 +22,7 @@ training code, so every rank adopts at the same step.
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Callable, Collection
 from typing import Any
@@ -60,9 +65,32 @@ class OptimizerDiscovery:
             self._handle.remove()
             self._handle = None
 
+    def find_existing(self) -> torch.optim.Optimizer | None:
+        """The one live optimizer stepping every one of the parameters, before it has stepped.
+
+        One pass over the objects the garbage collector tracks (:func:`gc.get_objects`; the
+        adapter calls it once, at its first bucket: 0.13 s over the 313k objects of a process
+        holding the demo LM and its AdamW, measured on a loaded 2-core machine). Found, the watch stops and the caller adopts
+        it; None when no optimizer or more than one steps all the parameters (the step hook then
+        decides after the first step, and names a subset optimizer).
+        """
+        if self._handle is None:
+            return None
+        found = [obj for obj in gc.get_objects()
+                 if isinstance(obj, torch.optim.Optimizer) and self._stepped(obj) == len(self._ids)]
+        if len(found) != 1:
+            return None
+        self.close()
+        logger.info("commpress: %s: adopted %s before its first step (as if passed as optimizer=)",
+                    self._what, type(found[0]).__name__)
+        return found[0]
+
+    def _stepped(self, optimizer: torch.optim.Optimizer) -> int:
+        """How many of the parameters ``optimizer`` steps."""
+        return len({id(p) for group in optimizer.param_groups for p in group["params"]} & self._ids)
+
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        mine = len(stepped & self._ids)
+        mine = self._stepped(optimizer)
         if not mine:
             return  # another model's optimizer
         self.close()

@@ -137,7 +137,7 @@ def test_compressed_training_tracks_dense_with_the_users_sgd(world: int, tmp_pat
     print(acc)
 
 
-def test_optimizer_not_passed_is_adopted_after_its_first_step() -> None:
+def test_optimizer_not_passed_is_found_and_adopted() -> None:
     w.launch(ow.worker_discovery, 2, timeout=240)
 
 
