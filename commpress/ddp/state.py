@@ -223,7 +223,8 @@ class CompressionState(DDPCheckpoint):
             self.discovery = OptimizerDiscovery(params, lambda opt: self._discovered(module, opt, momentum_masking),
                                                 "commpress.ddp.register")
             self.keeping_first_gradients = True
-            self._find_optimizer = lambda: self._adopt_if_found(module, momentum_masking, timeout)
+            find_timeout = opts.check_timeout(verify_timeout)
+            self._find_optimizer = lambda: self._adopt_if_found(module, momentum_masking, find_timeout)
         else:
             self._adopt_optimizer(module, optimizer, momentum_masking)
         first = next(module.parameters(), None)
