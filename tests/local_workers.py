@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -216,3 +217,43 @@ def worker_ranks_disagree(rank: int, world: int) -> None:
         commpress.local.DiLoCo(model, opt, outer_momentum=0.0)
     with pytest.raises(ValueError, match="ratio|k"):
         commpress.local.DiLoCo(model, opt, codec="topk", ratio=2.0)
+
+
+def worker_peer_lost(rank: int, world: int, out: str, case: str, overlap: int) -> None:
+    """A rank that exits (``exit``: rank 1, ``exit0``: rank 0, the store's host) or hangs (``hang``) between syncs.
+
+    The live rank must raise RankFailedError naming the lost rank within ``sync_timeout`` (+ slack);
+    it writes what it saw to ``out`` and leaves with ``os._exit`` (its gloo collective stays pending).
+    """
+    import os
+    import time
+
+    from commpress.errors import RankFailedError
+
+    lost = 0 if case == "exit0" else 1
+    model = make_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    timeout = 3.0 if case == "hang" else 10.0
+    diloco = commpress.local.DiLoCo(model, opt, sync_every=2, codec="topk", ratio=0.1, min_numel=64,
+                                    fragments=2 if overlap else 1, overlap=overlap, sync_timeout=timeout)
+    with diloco:
+        for step in range(3):  # syncs at steps 1, 2 (overlap) or 2 (not)
+            inner_step(model, opt, rank, step)
+        if rank == lost:
+            if case == "hang":
+                time.sleep(timeout + 4)
+            os._exit(0)
+        start = time.monotonic()
+        try:
+            for step in range(3, 8):
+                inner_step(model, opt, rank, step)
+        except RankFailedError as exc:
+            elapsed, message = time.monotonic() - start, str(exc)
+            try:
+                inner_step(model, opt, rank, 9)
+                again = "no error"
+            except RankFailedError as exc2:
+                again = str(exc2)
+            Path(out).write_text(json.dumps({"elapsed": elapsed, "message": message, "again": again,
+                                             "rank": exc.rank, "timeout": timeout}))
+        os._exit(0)

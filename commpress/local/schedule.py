@@ -12,11 +12,24 @@ dtype, one device), the process group and its :class:`~commpress.comm.faults.Fau
 (every sync runs in a guarded scope: a failure on one rank is every rank's error, waits are
 bounded), and the cross-rank configuration check (:func:`~commpress.comm.agreement.check_same_config`:
 ranks built differently fail at construction, on every rank, naming what differs).
+
+**A rank that dies or never arrives.** The fault channel turns a failure a rank *raises* into every
+rank's error; a rank that is killed, or hangs, raises nothing. So every sync also writes this
+rank's sync number into the process group's store (one ``set`` per sync, not per step), and
+:meth:`LocalSchedule.wait_sync` waits for the sync's collective for at most ``sync_timeout``
+seconds: when the collective breaks (gloo: "Connection reset by peer" once the peer's process is
+gone) or the time runs out (a peer that hangs, or whose machine vanished without closing its
+connections), it reads the others' sync numbers and raises
+:class:`~commpress.errors.RankFailedError` naming the rank(s) that did not arrive at this sync (or,
+when all arrived, that the collective broke after they did). The trainer then stays failed: every
+later sync raises the same error at once.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from typing import Any
 
 import torch
@@ -25,12 +38,18 @@ import torch.distributed as dist
 from .. import options as opts
 from ..comm.agreement import check_same_config
 from ..comm.faults import FaultChannel
-from ..errors import ConfigurationError
+from ..comm.store import group_name, tcp_store
+from ..errors import ConfigurationError, RankFailedError
 
 logger = logging.getLogger("commpress")
 
 #: seconds every rank has to construct the trainer before the others fail (configuration check)
 VERIFY_TIMEOUT_S = 60.0
+#: seconds a sync waits for every other rank's part before it names the missing rank(s): long
+#: enough for a straggler's slow step plus a large transfer on a slow link, far below gloo's 30 min
+SYNC_TIMEOUT_S = 300.0
+#: how often a blocked sync wait looks at the fault channel (a failure another rank posted)
+_WAIT_SLICE_S = 0.1
 
 
 def check_sync_every(sync_every: Any) -> int:
@@ -50,7 +69,7 @@ class LocalSchedule:
     what = "commpress.local"
 
     def __init__(self, model: Any, optimizer: Any, sync_every: int, *, process_group: Any = None,
-                 verify_timeout: float = VERIFY_TIMEOUT_S) -> None:
+                 verify_timeout: float = VERIFY_TIMEOUT_S, sync_timeout: float = SYNC_TIMEOUT_S) -> None:
         if not isinstance(model, torch.nn.Module):
             raise ConfigurationError(f"model must be a torch.nn.Module (a plain module per rank), got {type(model).__name__}")
         if hasattr(model, "require_backward_grad_sync"):
@@ -59,6 +78,7 @@ class LocalSchedule:
             raise ConfigurationError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.sync_every = check_sync_every(sync_every)
         self.timeout_s = opts.check_timeout(verify_timeout)
+        self.sync_timeout_s = opts.check_timeout(sync_timeout, "sync_timeout")
         self.model = model
         self.optimizer = optimizer
         self.names, self.params = self._trainable(model, optimizer)
@@ -70,6 +90,10 @@ class LocalSchedule:
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         self.faults = FaultChannel.of(process_group)
+        store = tcp_store(process_group)
+        self._store: Any = store.clone() if store is not None else None
+        self._arrive_prefix = f"commpress/local/{group_name(process_group)}/arrived/"
+        self._failed: BaseException | None = None  # a peer lost at a sync: every later sync raises it
         self.step = 0  # inner steps taken (the schedule's clock; checkpointed)
         self.syncs = 0  # syncs run
         self._handle: Any = None
@@ -103,12 +127,86 @@ class LocalSchedule:
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.step += 1
+        if self._failed is not None:
+            raise self._failed
+        try:
+            self.tick()
+        except RankFailedError as exc:
+            self._failed = exc
+            raise
+
+    def tick(self) -> None:
+        """After inner step :attr:`step`: run the sync when it is due (every ``sync_every`` steps)."""
         if self.step % self.sync_every == 0:
-            with torch.no_grad(), self.faults.guarded(f"{self.what} sync {self.syncs} (inner step {self.step})"):
+            with torch.no_grad(), self.faults.guarded(self.where()):
+                self.arrive(self.syncs)
                 error = self.sync()
             self.syncs += 1
             if error is not None:  # the same on every rank (decided from one collective's result)
                 raise error
+
+    def where(self, sync: int | None = None, step: int | None = None) -> str:
+        """Names a sync in errors: ``"commpress.local.DiLoCo sync 3 (inner step 8)"``."""
+        return f"{self.what} sync {self.syncs if sync is None else sync} (inner step {self.step if step is None else step})"
+
+    # ----- arrival and the bounded wait ---------------------------------------------------------
+    def _arrived_key(self, rank: int) -> str:
+        return f"{self._arrive_prefix}{rank}"
+
+    def arrive(self, sync: int) -> None:
+        """Record in the store that this rank reached sync ``sync`` (read only when a sync fails)."""
+        if self._store is not None and self.world_size > 1:
+            self._store.set(self._arrived_key(self.rank), str(sync))
+
+    def missing(self, sync: int) -> tuple[list[int], str]:
+        """The ranks that did not reach sync ``sync`` (by the store), and a sentence on what was seen."""
+        if self._store is None:
+            return [], "no TCPStore to tell which rank is missing"
+        seen: dict[int, int] = {}
+        try:
+            for r in range(self.world_size):
+                if r != self.rank:
+                    key = self._arrived_key(r)
+                    seen[r] = int(self._store.get(key)) if self._store.check([key]) else -1
+        except Exception as exc:  # noqa: BLE001 - the store's host (the group's first rank) is gone
+            return [0] if self.rank != 0 else [], f"the store is unreachable ({type(exc).__name__}): its host, rank 0, is gone"
+        absent = sorted(r for r, s in seen.items() if s < sync)
+        last = ", ".join(f"rank {r}: {'none' if seen[r] < 0 else f'sync {seen[r]}'}" for r in absent)
+        return absent, f"last sync reached: {last}" if absent else "every rank reached it"
+
+    def wait_sync(self, fut: torch.futures.Future[Any], sync: int, step: int) -> float:
+        """Wait for sync ``sync``'s future for at most ``sync_timeout``; the seconds this thread blocked.
+
+        Raises :class:`RankFailedError` naming the missing rank(s) when the collective breaks or
+        the time runs out (module docstring), or the fault another rank posted.
+        """
+        start = time.perf_counter()
+        if not fut.done():
+            done = threading.Event()
+            fut.add_done_callback(lambda _: done.set())
+            deadline = start + self.sync_timeout_s
+            while not done.wait(_WAIT_SLICE_S):
+                self.faults.check()
+                if time.perf_counter() > deadline:
+                    absent, seen = self.missing(sync)
+                    raise RankFailedError(absent[0] if absent else self.rank, self.where(sync, step),
+                                          f"the sync's collective did not complete within sync_timeout="
+                                          f"{self.sync_timeout_s:g} s; rank(s) {absent} did not arrive ({seen}): "
+                                          "dead, hung, or slower than sync_timeout")
+        blocked = time.perf_counter() - start
+        try:
+            fut.wait()
+        except RankFailedError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a collective that broke: tell whose absence broke it
+            self.faults.check()
+            absent, seen = self.missing(sync)
+            if absent:
+                reason = f"did not arrive and its connection is gone ({seen}); the collective failed with: {exc}"
+            else:
+                reason = f"the collective failed after every rank arrived (a peer gone mid-sync?): {exc}"
+            raise RankFailedError(absent[0] if absent else self.rank, self.where(sync, step), reason) from exc
+        return blocked
 
     def sync(self) -> Exception | None:
         """Synchronise the ranks (every rank calls it at the same inner step).

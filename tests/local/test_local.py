@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -63,3 +64,17 @@ def test_bad_arguments_raise_clear_errors() -> None:
             trainer(model, torch.optim.SGD([model.weight], lr=0.1))
         with pytest.raises(RuntimeError, match="init_process_group"):
             trainer(model, opt)
+
+
+@pytest.mark.parametrize(("case", "overlap"), [("exit", 0), ("exit0", 1), ("hang", 0)])
+def test_a_rank_lost_between_syncs_ends_the_live_rank_with_a_clear_error(tmp_path: Path, case: str, overlap: int) -> None:
+    # rank 1 exits (its connections close), rank 0 (the store's host) exits, or rank 1 hangs past sync_timeout=3 s
+    out = tmp_path / "seen.json"
+    w.launch(lw.worker_peer_lost, 2, str(out), case, overlap, timeout=60)
+    seen = json.loads(out.read_text())
+    lost = 0 if case == "exit0" else 1
+    assert seen["rank"] == lost, seen
+    assert f"rank {lost} failed at commpress.local.DiLoCo sync" in seen["message"], seen
+    assert ("did not arrive" in seen["message"]) if case != "exit0" else ("rank 0, is gone" in seen["message"]), seen
+    assert seen["elapsed"] < seen["timeout"] + 5, seen  # bounded (a hang would be gloo's 90 s here)
+    assert seen["again"] == seen["message"], seen  # the trainer stays failed
