@@ -12,7 +12,27 @@ inner steps, inside that optimizer's ``step()`` (:class:`~.schedule.LocalSchedul
    NaN or Inf), the outer step is skipped on every rank alike, logged and counted;
 4. every rank's parameters are reset to the global copy: bit-identical on every rank (the same
    reduced bytes, the same outer arithmetic on the same starting copy, broadcast from rank 0 at
-   construction).
+   construction). With ``overlap`` (on by default from H=4, below) steps 3-4 come later and
+   step 4 is a mix: the global copy stays bit-identical on every rank, each replica keeps part
+   of its own progress.
+
+**Streaming** (Streaming DiLoCo, Douillard et al. 2025). ``fragments=k`` cuts the trainable
+parameters into k contiguous runs of whole parameters, balanced by numel
+(:func:`split_fragments`, from the shapes alone: the same on every rank) and syncs one fragment
+every H/k inner steps, in turn (fragment f at the steps where ``step % H == (f+1)·H/k % H``), so each
+is synced every H steps and a sync moves 1/k of the bytes; every fragment's outer-optimizer state
+(per parameter in ``torch.optim``: the outer step only sees the fragment's gradients, the others'
+are None) and residuals (per parameter) are its own. ``overlap=tau`` (``<= H/k``: one sync in
+flight at a time) launches the fragment's collective as async work (the pseudo-gradient is taken at
+the launch; gloo runs the transfer and the decode on its own threads while the inner loop goes on)
+and merges it tau inner steps later: the outer step moves the fragment's global copy with the
+pseudo-gradient taken at the launch, then the fragment's local parameters become
+``merge_alpha * local + (1 - merge_alpha) * global``. That mix is the paper's merge (its mixing
+factor: 0 replaces the replica by the global copy and drops the tau local steps; the paper keeps
+part of them and reports a mix of 0.5 working best; measured here, ``merge_alpha=0.5`` beat
+replacement at overlap 4, see ``docs/local.md``). With ``overlap=0`` the merge is a replacement and
+``fragments=1, overlap=0`` is exactly the DiLoCo above, bit for bit. Between merges the fragments
+of a replica differ per rank: evaluate :attr:`DiLoCo.global_params` after :meth:`DiLoCo.flush`.
 
 **Where the global copy lives, and its memory.** On the CPU by default (``global_device``, as
 torchft): the copy itself (4 bytes per float32 parameter), the outer optimizer's state (Nesterov
@@ -22,13 +42,14 @@ bytes per parameter of host memory; plus, on the model's device, one flat pseudo
 compressed parameters (4 bytes per parameter).
 
 **Defaults, measured** (``scripts/bench_local.py``: digits MLP, 2 gloo ranks, the user's inner
-``SGD(lr=0.1, momentum=0.9)``, H=16, 640 steps; table in ``docs/benchmarks.md``): DDP every step
-96.9% held-out (loss 0.092); DiLoCo dense outer 98.3%; outer QSGD 8-bit 97.5% (62x fewer bytes
-than DDP), **QSGD 4-bit 98.6% (loss 0.044, 120x)**, sign + error feedback 96.7% (loss 0.19,
-418x), top-k 1% + error feedback 95.8% (loss 0.34, 592x). The paper's outer ``lr=0.7,
-momentum=0.9`` diverged here (dense outer 61.7%, QSGD 10.6%), so the outer defaults are
-``lr=0.5, momentum=0.8`` (Nesterov). One workload and one seed: not yet measured on the LM with
-AdamW, at 4 ranks, or at the paper's H in the hundreds.
+``SGD(lr=0.1, momentum=0.9)``, H=16, 640 steps; table in ``docs/local.md``): DDP every step
+96.9% held-out (loss 0.092, 217.6 MB per rank); blocking DiLoCo (``overlap=0``) dense outer 98.3%
+(loss 0.093), outer QSGD 8-bit 97.2% (62x fewer bytes than DDP), QSGD 4-bit 98.3% (loss 0.080,
+120x), sign + error feedback 97.5% (loss 0.19, 418x), top-k 1% + error feedback 96.7% (loss 0.28,
+592x); **the default, QSGD 4-bit with overlap H/4 and merge_alpha 0.5: 98.9% (loss 0.064, 120x)**.
+The paper's outer ``lr=0.7, momentum=0.9`` diverged here (dense outer 45.6%, QSGD 10.8%), so the
+outer defaults are ``lr=0.5, momentum=0.8`` (Nesterov). One workload and one seed: not yet
+measured on the LM with AdamW, at 4 ranks, or at the paper's H in the hundreds.
 """
 
 from __future__ import annotations
@@ -58,10 +79,15 @@ logger = logging.getLogger("commpress")
 DEFAULT_CODEC: tuple[str, dict[str, Any]] = ("qsgd", {"bits": 4})
 #: Inner steps between syncs by default.
 DEFAULT_SYNC_EVERY = 16
-#: Fragments and overlap by default (streaming off until measured otherwise; see the class docstring).
+#: Fragments by default: one (the digits MLP's 256x256 matrix is 77% of it, so fragments cut its peak
+#: only to 0.74x, and 4 fragments ended at a worse held-out loss: docs/local.md).
 DEFAULT_FRAGMENTS = 1
-DEFAULT_OVERLAP = 0
-DEFAULT_MERGE_ALPHA = 0.0
+#: ``overlap=None`` means a quarter of the fragment interval, ``sync_every // fragments // 4`` (4 at the
+#: default H=16, 0 below H=4): measured on the digits MLP at H=8, 16 and 32, overlap H/4 with the
+#: paper's mix ended at a lower held-out loss than blocking syncs every time (docs/local.md).
+OVERLAP_FRACTION = 4
+#: Weight of the local parameters at an overlapped merge (the paper's mix; measured better than 0).
+DEFAULT_MERGE_ALPHA = 0.5
 STATE_FORMAT = 2
 
 OuterFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
@@ -84,6 +110,18 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
         seed: base of the codecs' shared seeds.
         global_device: where the global copy and the outer optimizer live (default CPU).
         min_numel: parameters below this many elements (and every 1-D one) travel dense.
+        fragments: streaming, the parameters synced in k fragments in turn, one every
+            ``sync_every / fragments`` steps (a divisor of ``sync_every``; module docstring).
+        overlap: inner steps a sync's async collective runs behind the loop before it is merged
+            (``0 <= overlap <= sync_every / fragments``); default ``sync_every // fragments // 4``
+            (measured, see ``OVERLAP_FRACTION``): 4 at H=16, 0 below H=4.
+        merge_alpha: with ``overlap``, the weight of the local parameters at the merge
+            (0: replaced by the new global copy; default 0.5, the paper's mix, measured here).
+        sync_timeout: seconds a sync waits for the other ranks before it raises
+            :class:`~commpress.errors.RankFailedError` naming the rank(s) that did not arrive.
+        replica_group: this rank's replica (ranks that keep identical parameters, e.g. DDP
+            inside); the outer sync then runs across replicas, position by position
+            (:func:`~commpress.local.schedule.cross_replica_group`), instead of ``process_group``.
 
     Example::
 
@@ -101,11 +139,12 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
         codec: str | Codec | None = None, *, outer_lr: float = 0.5, outer_momentum: float = 0.8,
         nesterov: bool = True, outer_optimizer: OuterFactory | None = None, process_group: Any = None,
         seed: int = 0, global_device: torch.device | str = "cpu", min_numel: int = 1024,
-        fragments: int = DEFAULT_FRAGMENTS, overlap: int = DEFAULT_OVERLAP, merge_alpha: float = DEFAULT_MERGE_ALPHA,
-        verify_timeout: float = VERIFY_TIMEOUT_S, sync_timeout: float = SYNC_TIMEOUT_S, **codec_params: Any,
+        fragments: int = DEFAULT_FRAGMENTS, overlap: int | None = None, merge_alpha: float = DEFAULT_MERGE_ALPHA,
+        verify_timeout: float = VERIFY_TIMEOUT_S, sync_timeout: float = SYNC_TIMEOUT_S, replica_group: Any = None,
+        **codec_params: Any,
     ) -> None:
         super().__init__(model, inner_optimizer, sync_every, process_group=process_group, verify_timeout=verify_timeout,
-                         sync_timeout=sync_timeout)
+                         sync_timeout=sync_timeout, replica_group=replica_group)
         self.fragments, self.interval, self.overlap, self.merge_alpha = _check_streaming(
             fragments, overlap, merge_alpha, self.sync_every, len(self.params))
         #: fragment f is parameters bounds[f]:bounds[f+1] (whole parameters, balanced by numel)
@@ -140,9 +179,9 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
         # every rank starts from rank 0's parameters: the global copy is the same everywhere
         with torch.no_grad(), self.faults.guarded(f"{self.what} start"):
             start = self.flat_params(self._delta)
-            wait(torch.distributed.broadcast(start, src=torch.distributed.get_global_rank(process_group, 0)
-                                             if process_group is not None else 0,
-                                             group=process_group, async_op=True), self.device)
+            group = self.process_group
+            wait(torch.distributed.broadcast(start, src=torch.distributed.get_global_rank(group, 0)
+                                             if group is not None else 0, group=group, async_op=True), self.device)
             self._global.copy_(start)
             self.set_params(start)
 
@@ -185,6 +224,7 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
         torch.sub(self._global[a:b].to(self.device, non_blocking=True), delta, out=delta)
         pending = _Pending(fragment, self.step, self.syncs)
         pending.reduction = self.outer.launch(delta, self.syncs, self.process_group, lo, hi)
+        pending.started = time.perf_counter()  # encoded, collective issued: the transfer starts here
         pending.reduction.future.add_done_callback(pending.mark_done)
         self.peak_bytes_in_flight = max(self.peak_bytes_in_flight, pending.reduction.nbytes)
         self._pending = pending
@@ -197,6 +237,18 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
         self.sync_transfer_s += (p.done_at or time.perf_counter()) - p.started
         p.finite = self.outer.finish(p.reduction)
         p.reduction = None
+
+    def flush(self) -> None:
+        """Merge the sync in flight now (every rank, at the same inner step), e.g. before evaluating.
+
+        With ``overlap`` a sync launched in the last ``overlap`` steps is still in flight when the
+        loop ends; this waits for it (bounded) and applies it, so :attr:`global_params` hold every
+        outer step taken. Evaluate those, not the replica: between syncs the fragments differ per rank.
+        """
+        p = self._pending
+        if p is not None:
+            with torch.no_grad(), self.faults.guarded(self.where(p.sync, self.step)):
+                self._merge(p)
 
     def _merge(self, p: _Pending) -> None:
         """Steps 3-4 for one fragment: the outer step on its global copy, then its local parameters."""
@@ -214,7 +266,8 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
                            "pseudo-gradient is not finite (some rank's parameters hold NaN or Inf); the outer step is "
                            "skipped on every rank and the fragment restarts from the global copy (%d skipped so far)",
                            p.sync, p.launched, p.fragment, self.skipped)
-        alpha = self.merge_alpha if p.finite else 0.0  # a non-finite replica is replaced, never mixed
+        # overlap=0 leaves no local progress to keep: a replace (today's DiLoCo); a non-finite replica is replaced too
+        alpha = self.merge_alpha if p.finite and self.overlap > 0 else 0.0
         for param, g in zip(self.params[lo:hi], self.global_params[lo:hi]):
             if alpha == 0.0:
                 param.detach().copy_(g)
@@ -410,6 +463,8 @@ def _check_streaming(fragments: Any, overlap: Any, alpha: Any, sync_every: int, 
         raise ConfigurationError(f"sync_every={sync_every} must be a multiple of fragments={fragments} "
                                  "(a fragment syncs every sync_every/fragments steps)")
     interval = sync_every // fragments
+    if overlap is None:
+        overlap = interval // OVERLAP_FRACTION
     if not isinstance(overlap, int) or isinstance(overlap, bool) or not 0 <= overlap <= interval:
         raise ConfigurationError(f"overlap must be an int in [0, sync_every/fragments={interval}] (inner steps a sync "
                                  f"runs behind; at most one sync in flight), got {overlap!r}")
@@ -440,4 +495,5 @@ def _jsonish(value: Any) -> Any:
     return value
 
 
-__all__ = ["DEFAULT_CODEC", "DEFAULT_SYNC_EVERY", "DiLoCo", "split_fragments"]
+__all__ = ["DEFAULT_CODEC", "DEFAULT_FRAGMENTS", "DEFAULT_MERGE_ALPHA", "DEFAULT_SYNC_EVERY", "OVERLAP_FRACTION", "DiLoCo",
+           "split_fragments"]

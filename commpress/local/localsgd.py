@@ -34,9 +34,10 @@ class LocalSGD(LocalSchedule):
     what = "commpress.local.LocalSGD"
 
     def __init__(self, model: Any, optimizer: Any, sync_every: int = 8, *, process_group: Any = None,
-                 verify_timeout: float = VERIFY_TIMEOUT_S, sync_timeout: float = SYNC_TIMEOUT_S) -> None:
+                 verify_timeout: float = VERIFY_TIMEOUT_S, sync_timeout: float = SYNC_TIMEOUT_S,
+                 replica_group: Any = None) -> None:
         super().__init__(model, optimizer, sync_every, process_group=process_group, verify_timeout=verify_timeout,
-                         sync_timeout=sync_timeout)
+                         sync_timeout=sync_timeout, replica_group=replica_group)
         self.counters = CommStats()
         self._buffer = torch.empty(self.numel, dtype=self.dtype, device=self.device)
         self.verify_ranks(f"LocalSGD(sync_every={self.sync_every}), {len(self.params)} parameters")

@@ -13,6 +13,14 @@ dtype, one device), the process group and its :class:`~commpress.comm.faults.Fau
 bounded), and the cross-rank configuration check (:func:`~commpress.comm.agreement.check_same_config`:
 ranks built differently fail at construction, on every rank, naming what differs).
 
+**Replicas of several ranks** (``replica_group=``): a worker may be a group of ranks that keep
+identical parameters themselves (the user runs DDP, or anything that keeps them equal, inside the
+group, over its fast links). :func:`cross_replica_group` pairs the ranks by their position in
+their replica (position ``i`` of every replica forms one group, as INTELLECT-1 and torchft do),
+and the trainer syncs over that group: the outer traffic crosses replicas, the inner traffic stays
+the user's. Every position holds the same parameters as its replica's other positions, sends the
+same bytes and reads the same averages with the same seeds, so the replica stays identical.
+
 **A rank that dies or never arrives.** The fault channel turns a failure a rank *raises* into every
 rank's error; a rank that is killed, or hangs, raises nothing. So every sync also writes this
 rank's sync number into the process group's store (one ``set`` per sync, not per step), and
@@ -59,6 +67,37 @@ def check_sync_every(sync_every: Any) -> int:
     return sync_every
 
 
+#: (world ranks of every replica) -> this rank's cross-replica group, so one layout builds its groups once
+_CROSS_GROUPS: dict[tuple[tuple[int, ...], ...], Any] = {}
+
+
+def cross_replica_group(replica_group: Any) -> Any:
+    """The process group of the ranks at this rank's position in every replica (see the module docstring).
+
+    Collective over the whole world: every rank calls it, with its own replica's group. Replicas
+    must partition the world into groups of one size (ConfigurationError on every rank otherwise).
+    """
+    mine = dist.get_process_group_ranks(replica_group)
+    world = dist.get_world_size()
+    size = torch.tensor([len(mine)], dtype=torch.int64)
+    sizes = torch.empty(world, dtype=torch.int64)
+    dist.all_gather_into_tensor(sizes, size)
+    if not bool((sizes == sizes[0]).all()):
+        raise ConfigurationError(f"replica_group: replicas must have one size, got sizes {sizes.tolist()} by rank")
+    layout = torch.empty(world * len(mine), dtype=torch.int64)
+    dist.all_gather_into_tensor(layout, torch.tensor(mine, dtype=torch.int64))
+    seen = {tuple(layout[r * len(mine) : (r + 1) * len(mine)].tolist()) for r in range(world)}
+    replicas = tuple(sorted(seen))
+    flat = sorted(r for rep in replicas for r in rep)
+    if flat != list(range(world)):
+        raise ConfigurationError(f"replica_group: the replicas {list(replicas)} must split the world's {world} ranks "
+                                 "into disjoint groups of one size")
+    if replicas not in _CROSS_GROUPS:
+        groups = [dist.new_group([rep[i] for rep in replicas]) for i in range(len(mine))]  # every rank, one order
+        _CROSS_GROUPS[replicas] = groups
+    return _CROSS_GROUPS[replicas][mine.index(dist.get_rank())]
+
+
 class LocalSchedule:
     """Base of the local-step trainers: counts inner steps and calls :meth:`sync` every ``sync_every``.
 
@@ -69,7 +108,8 @@ class LocalSchedule:
     what = "commpress.local"
 
     def __init__(self, model: Any, optimizer: Any, sync_every: int, *, process_group: Any = None,
-                 verify_timeout: float = VERIFY_TIMEOUT_S, sync_timeout: float = SYNC_TIMEOUT_S) -> None:
+                 verify_timeout: float = VERIFY_TIMEOUT_S, sync_timeout: float = SYNC_TIMEOUT_S,
+                 replica_group: Any = None) -> None:
         if not isinstance(model, torch.nn.Module):
             raise ConfigurationError(f"model must be a torch.nn.Module (a plain module per rank), got {type(model).__name__}")
         if hasattr(model, "require_backward_grad_sync"):
@@ -86,6 +126,11 @@ class LocalSchedule:
         self.dtype = self.params[0].dtype
         self.device = self.params[0].device
         opts.require_process_group()
+        self.replica_group = replica_group
+        if replica_group is not None:
+            if process_group is not None:
+                raise ConfigurationError("pass process_group (the workers) or replica_group (this rank's replica), not both")
+            process_group = cross_replica_group(replica_group)
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
