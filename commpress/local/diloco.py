@@ -369,7 +369,9 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
         if not isinstance(state["stats"], Mapping):
             raise ValueError(f"stats must be a mapping, got {type(state['stats']).__name__}")
         CommStats().load(state["stats"])
-        # everything checked: apply
+        # everything checked: apply (after this trainer's own sync in flight, which writes into _delta)
+        if self._pending is not None:
+            self._complete(self._pending)
         self._global.copy_(state["global"])
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
         self.outer.load_state_dict(state["feedback"])

@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -106,6 +106,8 @@ class LocalSchedule:
 
     #: names the trainer in errors and the agreement check
     what = "commpress.local"
+    #: trainers built in this process, per process group (their arrival keys' namespace)
+    _built: ClassVar[dict[str, int]] = {}
 
     def __init__(self, model: Any, optimizer: Any, sync_every: int, *, process_group: Any = None,
                  verify_timeout: float = VERIFY_TIMEOUT_S, sync_timeout: float = SYNC_TIMEOUT_S,
@@ -137,7 +139,11 @@ class LocalSchedule:
         self.faults = FaultChannel.of(process_group)
         store = tcp_store(process_group)
         self._store: Any = store.clone() if store is not None else None
-        self._arrive_prefix = f"commpress/local/{group_name(process_group)}/arrived/"
+        # one key space per trainer: a second trainer on the group must not read the first one's numbers
+        # (every rank constructs its trainers in one order, the configuration check makes sure of it)
+        name = group_name(process_group)
+        LocalSchedule._built[name] = LocalSchedule._built.get(name, 0) + 1
+        self._arrive_prefix = f"commpress/local/{name}/{LocalSchedule._built[name]}/arrived/"
         self._failed: BaseException | None = None  # a peer lost at a sync: every later sync raises it
         self.step = 0  # inner steps taken (the schedule's clock; checkpointed)
         self.syncs = 0  # syncs run
