@@ -11,8 +11,8 @@ inner steps ``opt.step()`` also averages the pseudo-gradient (global copy - loca
 ranks through 4-bit QSGD and lets an outer Nesterov SGD step on it; then every rank continues
 from the same new global copy. The training loop itself does not change. With ``--fragments K``
 each sync moves 1/K of the parameters (a fragment every H/K steps); with ``--overlap T`` it runs
-behind the next T inner steps and is merged then (evaluate the global copy: ``diloco.flush()``,
-``diloco.global_params``).
+behind the next T inner steps and is merged then; ``diloco.finish()`` after the loop loads the
+global copy into the model.
 """
 
 import argparse
@@ -59,10 +59,7 @@ def main() -> None:
             opt.zero_grad()
             F.cross_entropy(model(x), (x @ teacher).argmax(1)).backward()
             opt.step()  # every sync_every-th call also synchronises the ranks
-    diloco.flush()  # merge a sync still in flight (overlap); then evaluate the global copy
-    with torch.no_grad():
-        for p, g in zip(model.parameters(), diloco.global_params):
-            p.copy_(g)
+    diloco.finish()  # merge the sync still in flight (overlap), load the global copy into the model
     last = eval_loss()
 
     if rank == 0:

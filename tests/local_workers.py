@@ -385,6 +385,12 @@ def worker_overlap_stats(rank: int, world: int, out: str) -> None:
                 opt.zero_grad()
                 F.cross_entropy(model(x), y).backward()
                 opt.step()
+            pending = diloco._pending is not None  # overlap: the last sync is still in flight here
+        diloco.finish()  # merges it and loads the global copy: the model is the same on every rank
+        assert_all_ranks(all(torch.equal(p, g) for p, g in zip(model.parameters(), diloco.global_params)),
+                         f"fragments {k}, overlap {tau}: the model is not the global copy after finish()")
+        assert_all_ranks(same_across_ranks(model), f"fragments {k}, overlap {tau}: ranks differ after finish()")
+        assert_all_ranks(diloco._pending is None and (pending or tau == 0), f"fragments {k}, overlap {tau}: pending {pending}")
         seen[f"{k},{tau}"] = diloco.stats()
     if rank == 0:
         Path(out).write_text(json.dumps(seen))

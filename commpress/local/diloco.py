@@ -250,6 +250,20 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
             with torch.no_grad(), self.faults.guarded(self.where(p.sync, self.step)):
                 self._merge(p)
 
+    def finish(self) -> None:
+        """:meth:`flush`, then load the global copy into the model: every rank ends with the same parameters.
+
+        Call it once after the last inner step (every rank): the model is then the one DiLoCo
+        trained, the same on every rank, not a replica holding its own unsynced steps (with
+        ``overlap`` or ``fragments``, or a loop ending between syncs, those local steps are
+        dropped). Leaving the ``with`` block does not do it, so a run can leave and re-enter the
+        block (to checkpoint, to evaluate) without changing its course.
+        """
+        self.flush()
+        with torch.no_grad():
+            for param, g in zip(self.params, self.global_params):
+                param.copy_(g.to(param.device, param.dtype))
+
     def _merge(self, p: _Pending) -> None:
         """Steps 3-4 for one fragment: the outer step on its global copy, then its local parameters."""
         self._complete(p)
