@@ -3,9 +3,14 @@
 2 gloo ranks on loopback, the digits MLP (``commpress.demo.workloads``: 64-256-256-10) with the
 user's ``SGD(lr=0.1, momentum=0.9)`` as the (inner) optimizer, batches of 32 per rank drawn from
 each rank's half of the training set. Prints, per method: held-out loss and accuracy of the
-synced parameters, bytes each rank handed to collectives in total, and the ratio to DDP's.
+synced parameters (DiLoCo: the global copy, after ``flush()``), bytes each rank handed to
+collectives in total, and the ratio to DDP's; for streaming DiLoCo also the peak bytes one sync
+has in flight, and the seconds the inner loop blocked on syncs (``sync_wait_s``) against the
+syncs' launch-to-completion time (``sync_transfer_s``), summed over rank 0's run (wall-clock:
+noisy under load; loopback, so the transfers are short).
 
     PYTHONPATH=$PWD python scripts/bench_local.py --steps 640 --sync-every 16
+    PYTHONPATH=$PWD python scripts/bench_local.py --only streaming --fragments 4 --overlap 2
 """
 
 from __future__ import annotations
@@ -32,13 +37,23 @@ from commpress.demo.workloads import digits_mlp, digits_split, seeded
 METHODS: list[tuple[str, str, dict[str, Any]]] = [
     ("DDP all-reduce every step", "ddp", {}),
     ("LocalSGD", "localsgd", {}),
-    ("DiLoCo dense outer", "diloco", {"codec": "none"}),
-    ("DiLoCo qsgd 8-bit outer", "diloco", {"codec": "qsgd", "bits": 8}),
-    ("DiLoCo default (qsgd 4-bit outer)", "diloco", {}),
-    ("DiLoCo sign outer (EF)", "diloco", {"codec": "sign"}),
-    ("DiLoCo top-k 1% outer (EF)", "diloco", {"codec": "topk", "ratio": 0.01}),
-    ("DiLoCo dense outer, paper's lr 0.7 m 0.9", "diloco", {"codec": "none", "outer_lr": 0.7, "outer_momentum": 0.9}),
-    ("DiLoCo qsgd 4-bit outer, paper's lr 0.7 m 0.9", "diloco", {"outer_lr": 0.7, "outer_momentum": 0.9}),
+    ("DiLoCo default (qsgd 4-bit outer, overlap H/4, alpha 0.5)", "diloco", {}),
+    ("DiLoCo qsgd 4-bit outer, blocking (overlap 0)", "diloco", {"overlap": 0}),
+    ("DiLoCo dense outer, blocking", "diloco", {"codec": "none", "overlap": 0}),
+    ("DiLoCo dense outer, overlap H/4, alpha 0.5", "diloco", {"codec": "none"}),
+    ("DiLoCo qsgd 8-bit outer, blocking", "diloco", {"codec": "qsgd", "bits": 8, "overlap": 0}),
+    ("DiLoCo sign outer (EF), blocking", "diloco", {"codec": "sign", "overlap": 0}),
+    ("DiLoCo top-k 1% outer (EF), blocking", "diloco", {"codec": "topk", "ratio": 0.01, "overlap": 0}),
+    ("DiLoCo dense outer, paper's lr 0.7 m 0.9, blocking", "diloco",
+     {"codec": "none", "outer_lr": 0.7, "outer_momentum": 0.9, "overlap": 0}),
+    ("DiLoCo qsgd 4-bit outer, paper's lr 0.7 m 0.9, blocking", "diloco",
+     {"outer_lr": 0.7, "outer_momentum": 0.9, "overlap": 0}),
+    ("streaming DiLoCo, fragments 2, blocking", "diloco", {"fragments": 2, "overlap": 0}),
+    ("streaming DiLoCo, fragments 4, blocking", "diloco", {"fragments": 4, "overlap": 0}),
+    ("streaming DiLoCo, fragments 4, overlap 1, alpha 0.5", "diloco", {"fragments": 4, "overlap": 1}),
+    ("streaming DiLoCo, fragments 4, overlap 4, alpha 0 (replace)", "diloco", {"fragments": 4, "overlap": 4, "merge_alpha": 0.0}),
+    ("streaming DiLoCo, fragments 4, overlap 4, alpha 0.5", "diloco", {"fragments": 4, "overlap": 4}),
+    ("streaming DiLoCo, fragments 1, overlap H/4, alpha 0 (replace)", "diloco", {"merge_alpha": 0.0}),
 ]
 
 
@@ -62,12 +77,20 @@ def run_one(rank: int, world: int, kind: str, options: dict[str, Any], steps: in
             opt.zero_grad()
             F.cross_entropy(net(xtr[idx]), ytr[idx]).backward()
             opt.step()
+    extra: dict[str, float] = {}
+    if kind == "diloco":  # evaluate the global copy (between syncs the fragments differ per rank)
+        trainer.flush()
+        with torch.no_grad():
+            for p, g in zip(trainer.params, trainer.global_params):
+                p.copy_(g)
+        s = trainer.stats()
+        extra = {k: s[k] for k in ("peak_bytes_in_flight", "sync_wait_s", "sync_transfer_s", "syncs")}
     with torch.no_grad():
         logits = model(xte)
         loss = float(F.cross_entropy(logits, yte))
         acc = float((logits.argmax(1) == yte).float().mean())
     sent = numel * 4.0 * steps if kind == "ddp" else float(trainer.stats()["bytes_sent"])
-    return {"loss": loss, "acc": acc, "bytes": sent}
+    return {"loss": loss, "acc": acc, "bytes": sent, **extra}
 
 
 class _Null:
@@ -83,9 +106,11 @@ def _entry(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     results = []
-    for label, kind, options in METHODS:
-        if args.only and not any(o in label for o in args.only):
-            continue
+    methods = [m for m in METHODS if not args.only or any(o in m[0] for o in args.only)]
+    if args.fragments or args.overlap:  # the row of --fragments / --overlap runs whatever --only says
+        methods.append((f"streaming DiLoCo, fragments {args.fragments or 1}, overlap {args.overlap}, alpha {args.merge_alpha}",
+                        "diloco", {"fragments": args.fragments or 1, "overlap": args.overlap, "merge_alpha": args.merge_alpha}))
+    for label, kind, options in methods:
         results.append({"label": label, **run_one(rank, world, kind, options, args.steps, args.sync_every)})
     if rank == 0:
         with open(out, "w") as f:
@@ -98,7 +123,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=640)
     parser.add_argument("--sync-every", type=int, default=16)
-    parser.add_argument("--only", nargs="*", default=[], help="run only methods whose label contains one of these")
+    parser.add_argument("--only", nargs="*", default=[], help="run only methods whose label contains one of these "
+                        "(--only - with --fragments/--overlap: that row alone)")
+    parser.add_argument("--fragments", type=int, default=0, help="add a streaming DiLoCo row with this many fragments")
+    parser.add_argument("--overlap", type=int, default=0, help="... and this overlap (inner steps)")
+    parser.add_argument("--merge-alpha", type=float, default=0.5, help="... and this merge_alpha")
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -111,11 +140,15 @@ def main() -> None:
     ddp_bytes = next((r["bytes"] for r in results if r["label"].startswith("DDP")), None)
     print(f"digits MLP, 2 gloo ranks, inner SGD(lr=0.1, momentum=0.9), batch 32/rank, {args.steps} steps, "
           f"H={args.sync_every}; torch {torch.__version__}")
-    print("| method | held-out loss | accuracy | bytes sent per rank | DDP bytes / bytes |")
-    print("|---|---|---|---|---|")
+    print("| method | held-out loss | accuracy | bytes sent per rank | DDP bytes / bytes | peak bytes in flight "
+          "| sync wait / transfer (s) |")
+    print("|---|---|---|---|---|---|---|")
     for r in results:
         ratio = f"{ddp_bytes / r['bytes']:.0f}x" if ddp_bytes and r["bytes"] else "-"
-        print(f"| {r['label']} | {r['loss']:.4f} | {100 * r['acc']:.1f}% | {r['bytes'] / 1e6:.2f} MB | {ratio} |")
+        peak = f"{r['peak_bytes_in_flight'] / 1e3:.1f} kB" if "peak_bytes_in_flight" in r else "-"
+        wait = f"{r['sync_wait_s']:.3f} / {r['sync_transfer_s']:.3f}" if "sync_wait_s" in r else "-"
+        print(f"| {r['label']} | {r['loss']:.4f} | {100 * r['acc']:.1f}% | {r['bytes'] / 1e6:.2f} MB | {ratio} | {peak} "
+              f"| {wait} |")
     sys.stdout.flush()
 
 

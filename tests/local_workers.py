@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -91,19 +92,22 @@ def worker_localsgd_every_h(rank: int, world: int, h: int) -> None:
 
 
 def _diloco(model: torch.nn.Module, opt: torch.optim.Optimizer, codec: str, opts: dict[str, Any]) -> commpress.local.DiLoCo:
-    return commpress.local.DiLoCo(model, opt, sync_every=3, codec=codec, min_numel=64, **opts)
+    return commpress.local.DiLoCo(model, opt, codec=codec, **{"sync_every": 3, "min_numel": 64, **opts})
 
 
-def worker_resume_save(rank: int, world: int, out: str, cases: list[tuple[str, dict[str, Any]]], split: int, total: int) -> None:
+ResumeCase = tuple[str, str, dict[str, Any], int, int]
+
+
+def worker_resume_save(rank: int, world: int, out: str, cases: list[ResumeCase]) -> None:
     """Per case: an uninterrupted run (digest written), and a run that saves everything after ``split`` steps."""
-    for codec, opts in cases:
-        _resume_save(rank, str(Path(out, codec)), codec, opts, split, total)
+    for name, codec, opts, split, total in cases:
+        _resume_save(rank, str(Path(out, name)), codec, opts, split, total)
 
 
-def worker_resume_load(rank: int, world: int, out: str, cases: list[tuple[str, dict[str, Any]]], split: int, total: int) -> None:
+def worker_resume_load(rank: int, world: int, out: str, cases: list[ResumeCase]) -> None:
     """Per case, in fresh processes: a fresh model, optimizer and DiLoCo load the files and continue."""
-    for codec, opts in cases:
-        _resume_load(rank, str(Path(out, codec)), codec, opts, split, total)
+    for name, codec, opts, split, total in cases:
+        _resume_load(rank, str(Path(out, name)), codec, opts, split, total)
 
 
 def _resume_save(rank: int, out: str, codec: str, opts: dict[str, Any], split: int, total: int) -> None:
@@ -153,8 +157,18 @@ def _bad_states(state: dict[str, Any]) -> list[tuple[dict[str, Any], str]]:
     short["global"] = short["global"][:-1]
     out.append((short, "global has"))
     other = copy.deepcopy(state)
-    other["config"]["sync_every"] = 4
+    other["config"]["sync_every"] += 1
     out.append((other, "config.sync_every"))
+    if state["pending"] is not None:  # a sync in flight: its averaged pseudo-gradient is saved, and checked
+        gone = copy.deepcopy(state)
+        gone["pending"] = None
+        out.append((gone, "pending: a checkpoint at inner step"))
+        wrong = copy.deepcopy(state)
+        wrong["pending"]["fragment"] += 1
+        out.append((wrong, "pending.fragment must be"))
+        short = copy.deepcopy(state)
+        short["pending"]["delta"] = short["pending"]["delta"][1:]
+        out.append((short, "pending.delta has"))
     missing = copy.deepcopy(state)
     del missing["outer_optimizer"]
     out.append((missing, "missing"))
@@ -216,3 +230,198 @@ def worker_ranks_disagree(rank: int, world: int) -> None:
         commpress.local.DiLoCo(model, opt, outer_momentum=0.0)
     with pytest.raises(ValueError, match="ratio|k"):
         commpress.local.DiLoCo(model, opt, codec="topk", ratio=2.0)
+    with pytest.raises(ConfigurationError, match="must be a multiple of fragments=3"):
+        commpress.local.DiLoCo(model, opt, sync_every=16, fragments=3)
+    with pytest.raises(ConfigurationError, match=r"fragments must be an int in \[1, 12\]"):
+        commpress.local.DiLoCo(model, opt, sync_every=13, fragments=13)
+    with pytest.raises(ConfigurationError, match=r"overlap must be an int in \[0, sync_every/fragments=4\]"):
+        commpress.local.DiLoCo(model, opt, sync_every=16, fragments=4, overlap=5)
+    with pytest.raises(ConfigurationError, match=r"merge_alpha must be a number in \[0, 1\)"):
+        commpress.local.DiLoCo(model, opt, overlap=1, merge_alpha=1.0)
+    with pytest.raises(ConfigurationError, match="not both"):
+        commpress.local.DiLoCo(model, opt, process_group=dist.group.WORLD, replica_group=dist.group.WORLD)
+    with pytest.raises(Exception, match="sync_timeout must be a number of seconds"):
+        commpress.local.DiLoCo(model, opt, sync_timeout=0)
+
+
+def worker_peer_lost(rank: int, world: int, out: str, case: str, overlap: int) -> None:
+    """A rank that exits (``exit``: rank 1, ``exit0``: rank 0, the store's host) or hangs (``hang``) between syncs.
+
+    The live rank must raise RankFailedError naming the lost rank within ``sync_timeout`` (+ slack);
+    it writes what it saw to ``out`` and leaves with ``os._exit`` (its gloo collective stays pending).
+    """
+    import os
+    import time
+
+    from commpress.errors import RankFailedError
+
+    lost = 0 if case == "exit0" else 1
+    model = make_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    timeout = 3.0 if case == "hang" else 10.0
+    diloco = commpress.local.DiLoCo(model, opt, sync_every=2, codec="topk", ratio=0.1, min_numel=64,
+                                    fragments=2 if overlap else 1, overlap=overlap, sync_timeout=timeout)
+    with diloco:
+        for step in range(3):  # syncs at steps 1, 2 (overlap) or 2 (not)
+            inner_step(model, opt, rank, step)
+        if rank == lost:
+            if case == "hang":
+                time.sleep(timeout + 1.5)  # past the live rank's sync_timeout, then gone
+            os._exit(0)
+        start = time.monotonic()
+        try:
+            for step in range(3, 8):
+                inner_step(model, opt, rank, step)
+        except RankFailedError as exc:
+            elapsed, message = time.monotonic() - start, str(exc)
+            try:
+                inner_step(model, opt, rank, 9)
+                again = "no error"
+            except RankFailedError as exc2:
+                again = str(exc2)
+            Path(out).write_text(json.dumps({"elapsed": elapsed, "message": message, "again": again,
+                                             "rank": exc.rank, "timeout": timeout}))
+        os._exit(0)
+
+
+def _digest_tensors(ts: list[torch.Tensor]) -> torch.Tensor:
+    flat = torch.cat([t.detach().reshape(-1) for t in ts]).contiguous().view(torch.int32).to(torch.int64)
+    return (flat * (torch.arange(flat.numel()) % 65521 + 1)).sum().reshape(1)
+
+
+def agree(ts: list[torch.Tensor]) -> bool:
+    """The tensors are bit-identical on every rank."""
+    mine = _digest_tensors(ts)
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return all(bool(e == everyone[0]) for e in everyone)
+
+
+#: (sync_every, fragments, overlap, merge_alpha): today's DiLoCo; fragments; fragments with a full overlap;
+#: three fragments, overlap 1, mixing half the local progress
+STREAMING_CASES = [(4, 1, 0, 0.0), (4, 2, 0, 0.0), (4, 2, 2, 0.0), (6, 3, 1, 0.5)]
+
+
+def worker_streaming_matches_reference(rank: int, world: int, cases: list[tuple[int, int, int, float]]) -> None:
+    """Streaming DiLoCo (dense outer) == a hand-written reference, bit for bit after every inner step."""
+    for h, k, tau, alpha in cases:
+        _streaming_reference(rank, world, h, k, tau, alpha)
+
+
+def _streaming_reference(rank: int, world: int, h: int, k: int, tau: int, alpha: float) -> None:
+    what = f"H={h} fragments={k} overlap={tau} alpha={alpha}"
+    model, ref = make_net(), make_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    ref_params = list(ref.parameters())
+    glob = [p.detach().clone() for p in ref_params]
+    outer = torch.optim.SGD(glob, lr=0.5, momentum=0.8, nesterov=True)
+    interval = h // k
+    diloco = commpress.local.DiLoCo(model, opt, sync_every=h, codec="none", fragments=k, overlap=tau, merge_alpha=alpha)
+    bounds = diloco.bounds
+    assert len(bounds) == k + 1 and bounds[0] == 0 and bounds[-1] == len(ref_params)
+    pending: tuple[int, int, list[torch.Tensor]] | None = None  # (fragment, launched, averaged delta)
+    with diloco:
+        for step in range(1, 4 * h + 2):
+            inner_step(model, opt, rank, step)
+            inner_step(ref, ref_opt, rank, step)
+            merged = None
+            for phase in (0, 1):
+                if pending is not None and step == pending[1] + tau:
+                    f, _, avg = pending
+                    lo, hi = bounds[f], bounds[f + 1]
+                    for i, g in enumerate(glob):
+                        g.grad = avg[i - lo] if lo <= i < hi else None
+                    outer.step()
+                    with torch.no_grad():
+                        for p, g in zip(ref_params[lo:hi], glob[lo:hi]):
+                            p.copy_(g) if alpha == 0 else p.lerp_(g, 1 - alpha)
+                    pending, merged = None, f
+                if phase == 0 and step % interval == 0:
+                    f = (step // interval - 1) % k
+                    lo, hi = bounds[f], bounds[f + 1]
+                    delta = torch.cat([(g - p.detach()).reshape(-1) for g, p in zip(glob[lo:hi], ref_params[lo:hi])])
+                    delta.div_(world)
+                    dist.all_reduce(delta)
+                    views, off = [], 0
+                    for g in glob[lo:hi]:
+                        views.append(delta[off : off + g.numel()].view(g.shape))
+                        off += g.numel()
+                    pending = (f, step, views)
+            assert_all_ranks(torch.equal(flat_params(model), flat_params(ref)), f"{what}: step {step} differs from the reference")
+            assert_all_ranks(all(torch.equal(a, b) for a, b in zip(diloco.global_params, glob)),
+                             f"{what}: step {step}: the global copy differs from the reference")
+            if merged is not None:  # every merge: the global copy, and the merged fragment (alpha 0), agree
+                lo, hi = bounds[merged], bounds[merged + 1]
+                assert_all_ranks(agree(diloco.global_params), f"{what}: step {step}: global copies differ")
+                if alpha == 0:
+                    assert_all_ranks(agree(list(model.parameters())[lo:hi]), f"{what}: step {step}: fragment {merged} differs")
+    assert diloco.stats()["syncs"] == (4 * h + 1) // interval, diloco.stats()
+
+
+class Equal4(torch.nn.Module):
+    """Four equal 64x64 layers: fragments of 1, 2 or 4 layers are exact fractions of the model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x) if i == 3 else torch.relu(layer(x))
+        return x
+
+
+def worker_overlap_stats(rank: int, world: int, out: str) -> None:
+    """Peak bytes in flight are 1/fragments of the unfragmented sync's (exact); waits and transfers are measured."""
+    seen: dict[str, dict[str, float]] = {}
+    for k, tau in ((1, 0), (2, 0), (2, 2), (4, 1)):
+        model = Equal4()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        with commpress.local.DiLoCo(model, opt, sync_every=4, fragments=k, overlap=tau) as diloco:
+            for step in range(12):
+                x, y = batch(rank, step, d_in=64)
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+            pending = diloco._pending is not None  # overlap: the last sync is still in flight here
+        diloco.finish()  # merges it and loads the global copy: the model is the same on every rank
+        assert_all_ranks(all(torch.equal(p, g) for p, g in zip(model.parameters(), diloco.global_params)),
+                         f"fragments {k}, overlap {tau}: the model is not the global copy after finish()")
+        assert_all_ranks(same_across_ranks(model), f"fragments {k}, overlap {tau}: ranks differ after finish()")
+        assert_all_ranks(diloco._pending is None and (pending or tau == 0), f"fragments {k}, overlap {tau}: pending {pending}")
+        seen[f"{k},{tau}"] = diloco.stats()
+    if rank == 0:
+        Path(out).write_text(json.dumps(seen))
+
+
+def worker_replicas(rank: int, world: int, codec: str, h: int) -> None:
+    """4 ranks as 2 replicas of 2 (DDP inside each, DiLoCo across): replicas agree after every sync, not between."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    replicas = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = replicas[rank // 2]
+    model = make_net()
+    ddp = DDP(model, process_group=mine)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    with commpress.local.DiLoCo(model, opt, sync_every=h, codec=codec, min_numel=64, replica_group=mine) as diloco:
+        assert dist.get_world_size(diloco.process_group) == 2  # one rank per replica: ranks {0, 2} and {1, 3}
+        assert dist.get_process_group_ranks(diloco.process_group) == [rank % 2, rank % 2 + 2]
+        for step in range(1, 3 * h + 1):
+            x, y = batch(rank, step)  # every rank its own data; DDP averages inside the replica
+            opt.zero_grad()
+            F.cross_entropy(ddp(x), y).backward()
+            opt.step()
+            assert_all_ranks(agree_within(model, mine), f"step {step}: a replica's ranks differ")
+            synced = agree(list(model.parameters()))
+            assert_all_ranks(synced == (step % h == 0), f"step {step}: all ranks identical={synced}, H={h}")
+    assert diloco.stats()["syncs"] == 3
+    del ddp
+
+
+def agree_within(model: torch.nn.Module, group: Any) -> bool:
+    mine = _digest_tensors(list(model.parameters()))
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    return all(bool(e == everyone[0]) for e in everyone)

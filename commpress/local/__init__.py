@@ -7,7 +7,11 @@ ranks synchronise inside that optimizer's ``step()``, so the training loop does 
 - :class:`DiLoCo` (:mod:`.diloco`): an outer optimizer (Nesterov SGD) steps on the averaged
   pseudo-gradient ``theta_global - theta_local``, reduced through commpress's codecs and
   collectives with error feedback (:mod:`.outer`);
-- :mod:`.schedule`: the step hook, argument checks, fault scope and configuration agreement both share.
+- streaming DiLoCo: ``DiLoCo(..., fragments=k, overlap=tau)`` syncs 1/k of the parameters every
+  H/k steps, each sync an async collective merged tau steps later;
+- replicas of several ranks: ``replica_group=`` (DDP inside a replica, DiLoCo across replicas);
+- :mod:`.schedule`: the step hook, argument checks, fault scope, the bounded wait that names a
+  rank lost between syncs, the cross-replica groups and configuration agreement they share.
 
 Example::
 
@@ -15,8 +19,7 @@ Example::
         for x, y in batches:
             opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
 
-Not built yet (issue #26): streaming fragments and overlapped syncs, replicas of several ranks,
-the parameter server as an outer-step server.
+Not built yet (issue #26): the parameter server as an outer-step server, ``codec="auto"``.
 """
 
 from .diloco import DEFAULT_CODEC, DEFAULT_SYNC_EVERY, DiLoCo

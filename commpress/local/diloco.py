@@ -12,7 +12,27 @@ inner steps, inside that optimizer's ``step()`` (:class:`~.schedule.LocalSchedul
    NaN or Inf), the outer step is skipped on every rank alike, logged and counted;
 4. every rank's parameters are reset to the global copy: bit-identical on every rank (the same
    reduced bytes, the same outer arithmetic on the same starting copy, broadcast from rank 0 at
-   construction).
+   construction). With ``overlap`` (on by default from H=4, below) steps 3-4 come later and
+   step 4 is a mix: the global copy stays bit-identical on every rank, each replica keeps part
+   of its own progress.
+
+**Streaming** (Streaming DiLoCo, Douillard et al. 2025). ``fragments=k`` cuts the trainable
+parameters into k contiguous runs of whole parameters, balanced by numel
+(:func:`split_fragments`, from the shapes alone: the same on every rank) and syncs one fragment
+every H/k inner steps, in turn (fragment f at the steps where ``step % H == (f+1)·H/k % H``), so each
+is synced every H steps and a sync moves 1/k of the bytes; every fragment's outer-optimizer state
+(per parameter in ``torch.optim``: the outer step only sees the fragment's gradients, the others'
+are None) and residuals (per parameter) are its own. ``overlap=tau`` (``<= H/k``: one sync in
+flight at a time) launches the fragment's collective as async work (the pseudo-gradient is taken at
+the launch; gloo runs the transfer and the decode on its own threads while the inner loop goes on)
+and merges it tau inner steps later: the outer step moves the fragment's global copy with the
+pseudo-gradient taken at the launch, then the fragment's local parameters become
+``merge_alpha * local + (1 - merge_alpha) * global``. That mix is the paper's merge (its mixing
+factor: 0 replaces the replica by the global copy and drops the tau local steps; the paper keeps
+part of them and reports a mix of 0.5 working best; measured here, ``merge_alpha=0.5`` beat
+replacement at overlap 4, see ``docs/local.md``). With ``overlap=0`` the merge is a replacement and
+``fragments=1, overlap=0`` is exactly the DiLoCo above, bit for bit. Between merges the fragments
+of a replica differ per rank: evaluate :attr:`DiLoCo.global_params` after :meth:`DiLoCo.flush`.
 
 **Where the global copy lives, and its memory.** On the CPU by default (``global_device``, as
 torchft): the copy itself (4 bytes per float32 parameter), the outer optimizer's state (Nesterov
@@ -22,19 +42,21 @@ bytes per parameter of host memory; plus, on the model's device, one flat pseudo
 compressed parameters (4 bytes per parameter).
 
 **Defaults, measured** (``scripts/bench_local.py``: digits MLP, 2 gloo ranks, the user's inner
-``SGD(lr=0.1, momentum=0.9)``, H=16, 640 steps; table in ``docs/benchmarks.md``): DDP every step
-96.9% held-out (loss 0.092); DiLoCo dense outer 98.3%; outer QSGD 8-bit 97.5% (62x fewer bytes
-than DDP), **QSGD 4-bit 98.6% (loss 0.044, 120x)**, sign + error feedback 96.7% (loss 0.19,
-418x), top-k 1% + error feedback 95.8% (loss 0.34, 592x). The paper's outer ``lr=0.7,
-momentum=0.9`` diverged here (dense outer 61.7%, QSGD 10.6%), so the outer defaults are
-``lr=0.5, momentum=0.8`` (Nesterov). One workload and one seed: not yet measured on the LM with
-AdamW, at 4 ranks, or at the paper's H in the hundreds.
+``SGD(lr=0.1, momentum=0.9)``, H=16, 640 steps; table in ``docs/local.md``): DDP every step
+96.9% held-out (loss 0.092, 217.6 MB per rank); blocking DiLoCo (``overlap=0``) dense outer 98.3%
+(loss 0.093), outer QSGD 8-bit 97.2% (62x fewer bytes than DDP), QSGD 4-bit 98.3% (loss 0.080,
+120x), sign + error feedback 97.5% (loss 0.19, 418x), top-k 1% + error feedback 96.7% (loss 0.28,
+592x); **the default, QSGD 4-bit with overlap H/4 and merge_alpha 0.5: 98.9% (loss 0.064, 120x)**.
+The paper's outer ``lr=0.7, momentum=0.9`` diverged here (dense outer 45.6%, QSGD 10.8%), so the
+outer defaults are ``lr=0.5, momentum=0.8`` (Nesterov). One workload and one seed: not yet
+measured on the LM with AdamW, at 4 ranks, or at the paper's H in the hundreds.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -46,8 +68,8 @@ from ..comm import CommStats
 from ..comm.faults import wait
 from ..errors import ConfigurationError
 from ..options import ratio_stats
-from .outer import OuterReduction
-from .schedule import VERIFY_TIMEOUT_S, LocalSchedule
+from .outer import OuterReduction, PendingReduction
+from .schedule import SYNC_TIMEOUT_S, VERIFY_TIMEOUT_S, LocalSchedule
 
 logger = logging.getLogger("commpress")
 
@@ -57,7 +79,16 @@ logger = logging.getLogger("commpress")
 DEFAULT_CODEC: tuple[str, dict[str, Any]] = ("qsgd", {"bits": 4})
 #: Inner steps between syncs by default.
 DEFAULT_SYNC_EVERY = 16
-STATE_FORMAT = 1
+#: Fragments by default: one (the digits MLP's 256x256 matrix is 77% of it, so fragments cut its peak
+#: only to 0.74x, and 4 fragments ended at a worse held-out loss: docs/local.md).
+DEFAULT_FRAGMENTS = 1
+#: ``overlap=None`` means a quarter of the fragment interval, ``sync_every // fragments // 4`` (4 at the
+#: default H=16, 0 below H=4): measured on the digits MLP at H=8, 16 and 32, overlap H/4 with the
+#: paper's mix ended at a lower held-out loss than blocking syncs every time (docs/local.md).
+OVERLAP_FRACTION = 4
+#: Weight of the local parameters at an overlapped merge (the paper's mix; measured better than 0).
+DEFAULT_MERGE_ALPHA = 0.5
+STATE_FORMAT = 2
 
 OuterFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
@@ -79,6 +110,18 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
         seed: base of the codecs' shared seeds.
         global_device: where the global copy and the outer optimizer live (default CPU).
         min_numel: parameters below this many elements (and every 1-D one) travel dense.
+        fragments: streaming, the parameters synced in k fragments in turn, one every
+            ``sync_every / fragments`` steps (a divisor of ``sync_every``; module docstring).
+        overlap: inner steps a sync's async collective runs behind the loop before it is merged
+            (``0 <= overlap <= sync_every / fragments``); default ``sync_every // fragments // 4``
+            (measured, see ``OVERLAP_FRACTION``): 4 at H=16, 0 below H=4.
+        merge_alpha: with ``overlap``, the weight of the local parameters at the merge
+            (0: replaced by the new global copy; default 0.5, the paper's mix, measured here).
+        sync_timeout: seconds a sync waits for the other ranks before it raises
+            :class:`~commpress.errors.RankFailedError` naming the rank(s) that did not arrive.
+        replica_group: this rank's replica (ranks that keep identical parameters, e.g. DDP
+            inside); the outer sync then runs across replicas, position by position
+            (:func:`~commpress.local.schedule.cross_replica_group`), instead of ``process_group``.
 
     Example::
 
@@ -96,9 +139,16 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
         codec: str | Codec | None = None, *, outer_lr: float = 0.5, outer_momentum: float = 0.8,
         nesterov: bool = True, outer_optimizer: OuterFactory | None = None, process_group: Any = None,
         seed: int = 0, global_device: torch.device | str = "cpu", min_numel: int = 1024,
-        verify_timeout: float = VERIFY_TIMEOUT_S, **codec_params: Any,
+        fragments: int = DEFAULT_FRAGMENTS, overlap: int | None = None, merge_alpha: float = DEFAULT_MERGE_ALPHA,
+        verify_timeout: float = VERIFY_TIMEOUT_S, sync_timeout: float = SYNC_TIMEOUT_S, replica_group: Any = None,
+        **codec_params: Any,
     ) -> None:
-        super().__init__(model, inner_optimizer, sync_every, process_group=process_group, verify_timeout=verify_timeout)
+        super().__init__(model, inner_optimizer, sync_every, process_group=process_group, verify_timeout=verify_timeout,
+                         sync_timeout=sync_timeout, replica_group=replica_group)
+        self.fragments, self.interval, self.overlap, self.merge_alpha = _check_streaming(
+            fragments, overlap, merge_alpha, self.sync_every, len(self.params))
+        #: fragment f is parameters bounds[f]:bounds[f+1] (whole parameters, balanced by numel)
+        self.bounds = split_fragments([p.numel() for p in self.params], self.fragments)
         if codec is None:
             codec, codec_params = DEFAULT_CODEC[0], {**DEFAULT_CODEC[1], **codec_params}
         self.outer = OuterReduction(self.names, [tuple(p.shape) for p in self.params], self.dtype, codec, codec_params,
@@ -107,22 +157,31 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
         self._global = torch.empty(self.numel, dtype=self.dtype, device=self.global_device)
         self._grad = torch.zeros_like(self._global)
         self.global_params = self._views(self._global)
-        for g, view in zip(self.global_params, self._views(self._grad)):
+        self._grad_views = self._views(self._grad)
+        for g, view in zip(self.global_params, self._grad_views):
             g.grad = view
+        self._offsets = [0]
+        for p in self.params:
+            self._offsets.append(self._offsets[-1] + p.numel())
         self._factory = outer_optimizer or _default_outer(outer_lr, outer_momentum, nesterov)
         self.outer_optimizer = self._factory(self.global_params)
         if not isinstance(self.outer_optimizer, torch.optim.Optimizer):
             raise ConfigurationError(f"outer_optimizer must return a torch.optim.Optimizer, got {type(self.outer_optimizer).__name__}")
         self._delta = torch.empty(self.numel, dtype=self.dtype, device=self.device)
         self.skipped = 0
+        self._pending: _Pending | None = None  # the fragment sync in flight (at most one: overlap <= H/fragments)
+        self.sync_wait_s = 0.0  # seconds the inner loop blocked waiting for syncs
+        self.sync_transfer_s = 0.0  # launch-to-completion seconds of the syncs' collectives
+        self.peak_bytes_in_flight = 0.0
         self.verify_ranks(f"DiLoCo(sync_every={self.sync_every}, codec={self.outer.codec!r}, "
-                          f"outer={type(self.outer_optimizer).__name__}), {len(self.params)} parameters")
+                          f"outer={type(self.outer_optimizer).__name__}, fragments={self.fragments}, "
+                          f"overlap={self.overlap}), {len(self.params)} parameters")
         # every rank starts from rank 0's parameters: the global copy is the same everywhere
         with torch.no_grad(), self.faults.guarded(f"{self.what} start"):
             start = self.flat_params(self._delta)
-            wait(torch.distributed.broadcast(start, src=torch.distributed.get_global_rank(process_group, 0)
-                                             if process_group is not None else 0,
-                                             group=process_group, async_op=True), self.device)
+            group = self.process_group
+            wait(torch.distributed.broadcast(start, src=torch.distributed.get_global_rank(group, 0)
+                                             if group is not None else 0, group=group, async_op=True), self.device)
             self._global.copy_(start)
             self.set_params(start)
 
@@ -133,33 +192,122 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
             off += p.numel()
         return out
 
-    # ----- the sync ------------------------------------------------------------------------------
-    def sync(self) -> Exception | None:
-        """Steps 1-4 of the module docstring (every rank, at the same inner step)."""
-        delta = self.flat_params(self._delta)
-        torch.sub(self._global.to(self.device, non_blocking=True), delta, out=delta)
-        if self.outer.reduce(delta, self.syncs, self.process_group):
-            self._grad.copy_(delta)
+    # ----- the schedule: launch a fragment's sync, merge it overlap steps later ------------------------
+    def fragment_range(self, fragment: int) -> tuple[int, int, int, int]:
+        """Fragment ``fragment``'s parameters ``lo:hi`` and their elements ``a:b`` in the flat buffers."""
+        lo, hi = self.bounds[fragment], self.bounds[fragment + 1]
+        return lo, hi, self._offsets[lo], self._offsets[hi]
+
+    def tick(self) -> None:
+        """After inner step :attr:`step`: merge the sync launched ``overlap`` steps ago, launch the one due."""
+        self._merge_if_due()
+        if self.step % self.interval == 0:
+            fragment = (self.step // self.interval - 1) % self.fragments
+            with torch.no_grad(), self.faults.guarded(self.where()):
+                self.arrive(self.syncs)
+                self._launch(fragment)
+            self.syncs += 1
+            self._merge_if_due()  # overlap=0: at once
+
+    def _merge_if_due(self) -> None:
+        p = self._pending
+        if p is not None and self.step >= p.launched + self.overlap:
+            with torch.no_grad(), self.faults.guarded(self.where(p.sync, self.step)):
+                self._merge(p)
+
+    def _launch(self, fragment: int) -> None:
+        """Steps 1-2 for one fragment: its pseudo-gradient, and the async collective that averages it."""
+        lo, hi, a, b = self.fragment_range(fragment)
+        delta = self._delta[a:b]
+        for p, view in zip(self.params[lo:hi], self._views(self._delta)[lo:hi]):
+            view.copy_(p.detach())
+        torch.sub(self._global[a:b].to(self.device, non_blocking=True), delta, out=delta)
+        pending = _Pending(fragment, self.step, self.syncs)
+        pending.reduction = self.outer.launch(delta, self.syncs, self.process_group, lo, hi)
+        pending.started = time.perf_counter()  # encoded, collective issued: the transfer starts here
+        pending.reduction.future.add_done_callback(pending.mark_done)
+        self.peak_bytes_in_flight = max(self.peak_bytes_in_flight, pending.reduction.nbytes)
+        self._pending = pending
+
+    def _complete(self, p: _Pending) -> None:
+        """Wait (bounded, :meth:`wait_sync`) for ``p``'s collective; its averaged pseudo-gradient is in ``_delta``."""
+        if p.reduction is None:
+            return  # completed already (or restored from a checkpoint)
+        self.sync_wait_s += self.wait_sync(p.reduction.future, p.sync, p.launched)
+        self.sync_transfer_s += (p.done_at or time.perf_counter()) - p.started
+        p.finite = self.outer.finish(p.reduction)
+        p.reduction = None
+
+    def flush(self) -> None:
+        """Merge the sync in flight now (every rank, at the same inner step), e.g. before evaluating.
+
+        With ``overlap`` a sync launched in the last ``overlap`` steps is still in flight when the
+        loop ends; this waits for it (bounded) and applies it, so :attr:`global_params` hold every
+        outer step taken. Evaluate those, not the replica: between syncs the fragments differ per rank.
+        """
+        p = self._pending
+        if p is not None:
+            with torch.no_grad(), self.faults.guarded(self.where(p.sync, self.step)):
+                self._merge(p)
+
+    def finish(self) -> None:
+        """:meth:`flush`, then load the global copy into the model: every rank ends with the same parameters.
+
+        Call it once after the last inner step (every rank): the model is then the one DiLoCo
+        trained, the same on every rank, not a replica holding its own unsynced steps (with
+        ``overlap`` or ``fragments``, or a loop ending between syncs, those local steps are
+        dropped). Leaving the ``with`` block does not do it, so a run can leave and re-enter the
+        block (to checkpoint, to evaluate) without changing its course.
+        """
+        self.flush()
+        with torch.no_grad():
+            for param, g in zip(self.params, self.global_params):
+                param.copy_(g.to(param.device, param.dtype))
+
+    def _merge(self, p: _Pending) -> None:
+        """Steps 3-4 for one fragment: the outer step on its global copy, then its local parameters."""
+        self._complete(p)
+        self._pending = None
+        lo, hi, a, b = self.fragment_range(p.fragment)
+        if p.finite:
+            self._grad[a:b].copy_(self._delta[a:b])
+            for i, g in enumerate(self.global_params):  # the outer optimizer steps on this fragment only
+                g.grad = self._grad_views[i] if lo <= i < hi else None
             self.outer_optimizer.step()
         else:
             self.skipped += 1
-            logger.warning("commpress: DiLoCo sync %d (inner step %d): the averaged pseudo-gradient is not finite "
-                           "(some rank's parameters hold NaN or Inf); the outer step is skipped on every rank and every "
-                           "replica restarts from the global copy (%d skipped so far)", self.syncs, self.step, self.skipped)
-        self.set_params(self._global)
-        return None
+            logger.warning("commpress: DiLoCo sync %d (launched at inner step %d, fragment %d): the averaged "
+                           "pseudo-gradient is not finite (some rank's parameters hold NaN or Inf); the outer step is "
+                           "skipped on every rank and the fragment restarts from the global copy (%d skipped so far)",
+                           p.sync, p.launched, p.fragment, self.skipped)
+        # overlap=0 leaves no local progress to keep: a replace (today's DiLoCo); a non-finite replica is replaced too
+        alpha = self.merge_alpha if p.finite and self.overlap > 0 else 0.0
+        for param, g in zip(self.params[lo:hi], self.global_params[lo:hi]):
+            if alpha == 0.0:
+                param.detach().copy_(g)
+            else:  # keep alpha of the local progress (the tau steps since the launch included)
+                param.detach().lerp_(g.to(param.device, non_blocking=True), 1.0 - alpha)
 
     # ----- configuration, statistics, checkpoints ---------------------------------------------------
     def config(self) -> dict[str, Any]:
         """Everything all ranks (and a checkpoint) must agree on (plain types)."""
         defaults = {k: v for k, v in self.outer_optimizer.defaults.items() if isinstance(v, (bool, int, float, str))}
         return {**super().config(), **self.outer.config(),
-                "outer_optimizer": [type(self.outer_optimizer).__name__, sorted(defaults.items())]}
+                "outer_optimizer": [type(self.outer_optimizer).__name__, sorted(defaults.items())],
+                "fragments": list(self.bounds), "overlap": self.overlap, "merge_alpha": self.merge_alpha}
 
     def stats(self) -> dict[str, float]:
-        """Inner steps, syncs, skipped syncs, and the outer reduction's bytes (per sync: ``bytes_sent_per_step``)."""
+        """Inner steps, syncs (one per fragment sync), skipped syncs, the outer reduction's bytes, and timing.
+
+        ``bytes_sent_per_step`` is per sync; ``sync_wait_s``: seconds the inner loop blocked waiting
+        for syncs to finish (with ``overlap``, only what the overlapped steps did not cover);
+        ``sync_transfer_s``: launch-to-completion seconds of the syncs' collectives (with
+        ``overlap=0`` the two are nearly equal); ``peak_bytes_in_flight``: the most bytes one
+        sync handed to its collective (at most one sync is in flight at a time).
+        """
         s: dict[str, float] = dict(self.outer.counters.as_dict())
-        s.update(steps=self.step, syncs=self.syncs, skipped_syncs=self.skipped)
+        s.update(steps=self.step, syncs=self.syncs, skipped_syncs=self.skipped, sync_wait_s=self.sync_wait_s,
+                 sync_transfer_s=self.sync_transfer_s, peak_bytes_in_flight=self.peak_bytes_in_flight)
         return ratio_stats(s, self.syncs)
 
     def state_dict(self) -> dict[str, Any]:
@@ -167,12 +315,24 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
 
         Save the model's and the inner optimizer's own state dicts beside it; the three together
         resume bit-exactly (loadable with ``weights_only=True``; :meth:`save` writes a checked file).
+        With ``overlap``, a sync in flight is waited for (bounded by ``sync_timeout``) and saved
+        as its averaged pseudo-gradient under ``pending``: the resumed run merges it at the same
+        inner step as the uninterrupted one. Call it on every rank at the same inner step.
         """
+        pending = None
+        p = self._pending
+        if p is not None:
+            self._complete(p)
+            a, b = self.fragment_range(p.fragment)[2:]
+            pending = {"fragment": p.fragment, "launched": p.launched, "sync": p.sync, "finite": bool(p.finite),
+                       "delta": self._delta[a:b].detach().clone()}
         return {
             "format": STATE_FORMAT, "config": self.config(), "step": self.step, "syncs": self.syncs,
             "skipped": self.skipped, "global": self._global.detach().clone(),
             "outer_optimizer": self.outer_optimizer.state_dict(), "feedback": self.outer.state_dict(),
-            "stats": self.outer.counters.as_dict(),
+            "stats": self.outer.counters.as_dict(), "pending": pending,
+            "timing": {"sync_wait_s": self.sync_wait_s, "sync_transfer_s": self.sync_transfer_s,
+                       "peak_bytes_in_flight": self.peak_bytes_in_flight},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -180,11 +340,16 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
         required = {"format", "config", "step", "syncs", "skipped", "global", "outer_optimizer", "feedback", "stats"}
         if not isinstance(state, Mapping):
             raise ValueError(f"DiLoCo state must be a mapping, got {type(state).__name__}")
+        if state.get("format") == 1:  # before streaming: no sync in flight, fragments=1 and overlap=0
+            state = {**state, "config": {**state["config"], "fragments": [0, len(self.params)], "overlap": 0,
+                                         "merge_alpha": 0.0} if isinstance(state.get("config"), Mapping) else state.get("config"),
+                     "format": STATE_FORMAT, "pending": None, "timing": {}}
+        required |= {"pending", "timing"}
         missing = required - set(state)
         if missing:
             raise ValueError(f"DiLoCo state is missing {sorted(missing)}")
         if state["format"] != STATE_FORMAT:
-            raise ValueError(f"DiLoCo state format {state['format']!r} is not supported (expected {STATE_FORMAT})")
+            raise ValueError(f"DiLoCo state format {state['format']!r} is not supported (expected 1 or {STATE_FORMAT})")
         mine = _jsonish(self.config())
         theirs = state["config"]
         if not isinstance(theirs, Mapping):
@@ -196,9 +361,15 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
             v = state[key]
             if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 1 << 62:
                 raise ValueError(f"{key} must be an int in [0, 2**62), got {v!r:.40}")
-        if state["syncs"] != state["step"] // self.sync_every or state["skipped"] > state["syncs"]:
+        if state["syncs"] != state["step"] // self.interval or state["skipped"] > state["syncs"]:
             raise ValueError(f"step {state['step']}, syncs {state['syncs']} and skipped {state['skipped']} do not fit "
-                             f"sync_every={self.sync_every}")
+                             f"sync_every={self.sync_every}, fragments={self.fragments}")
+        pending = self._check_pending(state["pending"], state["step"])
+        timing = state["timing"]
+        if not isinstance(timing, Mapping) or not all(
+                isinstance(timing.get(k, 0.0), (int, float)) and 0 <= timing.get(k, 0.0) < float("inf")
+                for k in ("sync_wait_s", "sync_transfer_s", "peak_bytes_in_flight")):
+            raise ValueError(f"timing must map sync_wait_s, sync_transfer_s, peak_bytes_in_flight to numbers >= 0, got {timing!r:.120}")
         check_loaded_tensor(state["global"], "global", numel=self.numel, dtypes=(self.dtype,))
         if state["global"].dim() != 1:
             raise ValueError(f"global must be flat, got shape {tuple(state['global'].shape)}")
@@ -212,17 +383,110 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
         if not isinstance(state["stats"], Mapping):
             raise ValueError(f"stats must be a mapping, got {type(state['stats']).__name__}")
         CommStats().load(state["stats"])
-        # everything checked: apply
+        # everything checked: apply (after this trainer's own sync in flight, which writes into _delta)
+        if self._pending is not None:
+            self._complete(self._pending)
         self._global.copy_(state["global"])
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
         self.outer.load_state_dict(state["feedback"])
         self.outer.counters.load(state["stats"])
         self.step, self.syncs, self.skipped = state["step"], state["syncs"], state["skipped"]
+        self._pending = pending
+        if pending is not None:
+            a, b = self.fragment_range(pending.fragment)[2:]
+            self._delta[a:b].copy_(state["pending"]["delta"])
+        self.sync_wait_s = float(timing.get("sync_wait_s", 0.0))
+        self.sync_transfer_s = float(timing.get("sync_transfer_s", 0.0))
+        self.peak_bytes_in_flight = float(timing.get("peak_bytes_in_flight", 0.0))
+
+    def _check_pending(self, pending: Any, step: int) -> _Pending | None:
+        """The sync in flight a checkpoint at ``step`` must hold (None when none), checked against ``pending``."""
+        last = (step // self.interval) * self.interval  # the last launch
+        due = self.overlap > 0 and last >= self.interval and step - last < self.overlap
+        if pending is None:
+            if due:
+                raise ValueError(f"pending: a checkpoint at inner step {step} must hold the sync launched at step "
+                                 f"{last} (overlap={self.overlap}), got none")
+            return None
+        if not due:
+            raise ValueError(f"pending: no sync is in flight at inner step {step} (overlap={self.overlap}), "
+                             "but the checkpoint holds one")
+        if not isinstance(pending, Mapping) or set(pending) != {"fragment", "launched", "sync", "finite", "delta"}:
+            raise ValueError(f"pending must be a mapping of fragment, launched, sync, finite, delta; got {pending!r:.80}")
+        sync = last // self.interval - 1
+        expect = {"fragment": sync % self.fragments, "launched": last, "sync": sync}
+        for key, value in expect.items():
+            if pending[key] != value or isinstance(pending[key], bool):
+                raise ValueError(f"pending.{key} must be {value} at inner step {step}, got {pending[key]!r:.40}")
+        if not isinstance(pending["finite"], bool):
+            raise ValueError(f"pending.finite must be a bool, got {pending['finite']!r:.40}")
+        a, b = self.fragment_range(sync % self.fragments)[2:]
+        # a non-finite average is NaN where some rank sent none: only a finite one must be finite
+        check_loaded_tensor(pending["delta"], "pending.delta", numel=b - a, dtypes=(self.dtype,), finite=pending["finite"])
+        if pending["delta"].dim() != 1:
+            raise ValueError(f"pending.delta must be flat, got shape {tuple(pending['delta'].shape)}")
+        out = _Pending(sync % self.fragments, last, sync)
+        out.finite = pending["finite"]
+        return out
 
     def __repr__(self) -> str:
         return (f"DiLoCo(sync_every={self.sync_every}, codec={self.outer.codec!r}, algorithm={self.outer.algorithm!r}, "
-                f"outer={type(self.outer_optimizer).__name__}, step={self.step}, syncs={self.syncs}, "
+                f"outer={type(self.outer_optimizer).__name__}, fragments={self.fragments}, overlap={self.overlap}, "
+                f"step={self.step}, syncs={self.syncs}, "
                 f"rank={self.rank}/{self.world_size})")
+
+
+class _Pending:
+    """One fragment's sync between its launch and its merge."""
+
+    __slots__ = ("done_at", "finite", "fragment", "launched", "reduction", "started", "sync")
+
+    def __init__(self, fragment: int, launched: int, sync: int) -> None:
+        self.fragment, self.launched, self.sync = fragment, launched, sync
+        self.reduction: PendingReduction | None = None
+        self.finite = False
+        self.started = time.perf_counter()
+        self.done_at: float | None = None
+
+    def mark_done(self, _: Any) -> None:
+        """Future callback (the backend's thread): when the collective and its decode completed."""
+        self.done_at = time.perf_counter()
+
+
+def split_fragments(sizes: Sequence[int], fragments: int) -> list[int]:
+    """Boundaries ``[0, b1, ..., len(sizes)]`` of ``fragments`` contiguous runs of whole parameters.
+
+    Boundary ``j`` is the parameter index whose cumulative numel is nearest ``j/fragments`` of the
+    total, every run keeping at least one parameter: the same on every rank (shapes only).
+    """
+    cum = [0]
+    for n in sizes:
+        cum.append(cum[-1] + n)
+    bounds = [0]
+    for j in range(1, fragments):
+        target = cum[-1] * j / fragments
+        lo, hi = bounds[-1] + 1, len(sizes) - (fragments - j)
+        bounds.append(min(range(lo, hi + 1), key=lambda i: (abs(cum[i] - target), i)))
+    bounds.append(len(sizes))
+    return bounds
+
+
+def _check_streaming(fragments: Any, overlap: Any, alpha: Any, sync_every: int, nparams: int) -> tuple[int, int, int, float]:
+    """``(fragments, H/fragments, overlap, merge_alpha)``, or a ConfigurationError naming the bad one."""
+    if not isinstance(fragments, int) or isinstance(fragments, bool) or not 1 <= fragments <= nparams:
+        raise ConfigurationError(f"fragments must be an int in [1, {nparams}] (the trainable parameters), got {fragments!r}")
+    if sync_every % fragments:
+        raise ConfigurationError(f"sync_every={sync_every} must be a multiple of fragments={fragments} "
+                                 "(a fragment syncs every sync_every/fragments steps)")
+    interval = sync_every // fragments
+    if overlap is None:
+        overlap = interval // OVERLAP_FRACTION
+    if not isinstance(overlap, int) or isinstance(overlap, bool) or not 0 <= overlap <= interval:
+        raise ConfigurationError(f"overlap must be an int in [0, sync_every/fragments={interval}] (inner steps a sync "
+                                 f"runs behind; at most one sync in flight), got {overlap!r}")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not 0.0 <= alpha < 1.0:
+        raise ConfigurationError(f"merge_alpha must be a number in [0, 1), got {alpha!r}")
+    return fragments, interval, overlap, float(alpha)
 
 
 def _default_outer(lr: float, momentum: float, nesterov: bool) -> OuterFactory:
@@ -247,4 +511,5 @@ def _jsonish(value: Any) -> Any:
     return value
 
 
-__all__ = ["DEFAULT_CODEC", "DEFAULT_SYNC_EVERY", "DiLoCo"]
+__all__ = ["DEFAULT_CODEC", "DEFAULT_FRAGMENTS", "DEFAULT_MERGE_ALPHA", "DEFAULT_SYNC_EVERY", "OVERLAP_FRACTION", "DiLoCo",
+           "split_fragments"]

@@ -74,25 +74,51 @@ class OuterReduction:
                                                          for p in algorithm.server_layout(n, s, self.codec, world_size, rank)})
         self.counters = CommStats()
 
-    def slots(self, sync: int) -> list[Slot]:
-        """The slots of sync ``sync``: one per parameter, compressed or dense, seeds shared by all ranks."""
+    def slots(self, sync: int, first: int = 0, stop: int | None = None) -> list[Slot]:
+        """The slots of sync ``sync`` for parameters ``first:stop`` (default all), offsets from the first one.
+
+        One slot per parameter, compressed or dense; seed ``derive_seed(seed, sync, index)`` with
+        the parameter's index in the whole model, which every rank computes alike.
+        """
+        stop = len(self.names) if stop is None else stop
+        base = self.offsets[first] if first < len(self.offsets) else 0
         dense = NoneCodec()
         return [
-            Slot(key=name, offset=off, shape=shape, codec=self.codec if on else dense,
-                 seed=derive_seed(self.seed, sync, index), feedback=self.worker if on else None)
-            for index, (name, shape, off, on) in enumerate(zip(self.names, self.shapes, self.offsets, self.compressed))
+            Slot(key=self.names[i], offset=self.offsets[i] - base, shape=self.shapes[i],
+                 codec=self.codec if self.compressed[i] else dense,
+                 seed=derive_seed(self.seed, sync, i), feedback=self.worker if self.compressed[i] else None)
+            for i in range(first, stop)
         ]
 
-    def reduce(self, buffer: torch.Tensor, sync: int, group: Any) -> bool:
-        """Average ``buffer`` in place over the ranks; False (on every rank alike) when the result is not finite."""
-        saved = [_snapshot(ef) for ef in (self.worker, self.server)]
-        comm.run(self.algorithm, buffer, self.slots(sync), group=group, server_feedback=self.server,
-                 stats=self.counters).wait()
-        if bool(torch.isfinite(buffer).all()):
+    def launch(self, buffer: torch.Tensor, sync: int, group: Any, first: int = 0,
+               stop: int | None = None) -> PendingReduction:
+        """Start averaging ``buffer`` (parameters ``first:stop``, end to end) in place: an async collective.
+
+        Encoding (and the residual update) happens here, on this thread; the collective and the
+        decode run on the backend's threads (gloo) until :meth:`finish`.
+        """
+        slots = self.slots(sync, first, stop)
+        keys = {s.key for s in slots}
+        saved = [_snapshot(ef, keys) for ef in (self.worker, self.server)]
+        before = self.counters.as_dict().get("bytes_sent", 0.0)
+        fut = comm.run(self.algorithm, buffer, slots, group=group, server_feedback=self.server, stats=self.counters)
+        return PendingReduction(fut, buffer, saved, self.counters.as_dict().get("bytes_sent", 0.0) - before)
+
+    def finish(self, pending: PendingReduction) -> bool:
+        """After ``pending.future`` completed: True if the average is finite (the same on every rank).
+
+        When it is not, every residual the sync changed is restored to what it held before.
+        """
+        pending.future.wait()
+        if bool(torch.isfinite(pending.buffer).all()):
             return True
-        for ef, snap in zip((self.worker, self.server), saved):
+        for ef, snap in zip((self.worker, self.server), pending.saved):
             _restore(ef, snap)
         return False
+
+    def reduce(self, buffer: torch.Tensor, sync: int, group: Any) -> bool:
+        """Average ``buffer`` (every parameter) in place over the ranks; False (on every rank alike) when not finite."""
+        return self.finish(self.launch(buffer, sync, group))
 
     def config(self) -> dict[str, Any]:
         """What all ranks must agree on (plain types)."""
@@ -127,25 +153,37 @@ class OuterReduction:
                 ef.load_state_dict(state[side])
 
 
-def _snapshot(ef: ErrorFeedback | None) -> dict[str, torch.Tensor]:
+class PendingReduction:
+    """A launched outer reduction: its future, the buffer it completes, the residuals it may restore."""
+
+    __slots__ = ("buffer", "future", "nbytes", "saved")
+
+    def __init__(self, future: torch.futures.Future[torch.Tensor], buffer: torch.Tensor,
+                 saved: list[dict[str, torch.Tensor | None]], nbytes: float) -> None:
+        self.future, self.buffer, self.saved, self.nbytes = future, buffer, saved, nbytes
+
+
+def _snapshot(ef: ErrorFeedback | None, keys: set[str]) -> dict[str, torch.Tensor | None]:
+    """The residuals of ``ef`` whose key is (or, two-phase, starts with) one of ``keys``; None: absent."""
     if ef is None:
         return {}
-    out = {}
-    for k in ef.keys():
+    out: dict[str, torch.Tensor | None] = {}
+    for k in ef.shapes or {}:
+        if k not in keys and k.rsplit("#", 1)[0] not in keys:
+            continue
         r = ef.residual(k)
-        assert r is not None
+        if r is None:
+            out[k] = None
+            continue
         out[k] = r.clone()
     return out
 
 
-def _restore(ef: ErrorFeedback | None, snap: dict[str, torch.Tensor]) -> None:
+def _restore(ef: ErrorFeedback | None, snap: dict[str, torch.Tensor | None]) -> None:
     if ef is None:
         return
-    for k in list(ef.keys()):
-        if k not in snap:
-            ef.set_residual(k, None)
     for k, v in snap.items():
         ef.set_residual(k, v)
 
 
-__all__ = ["OuterReduction"]
+__all__ = ["OuterReduction", "PendingReduction"]
