@@ -35,6 +35,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import commpress  # noqa: E402
 import commpress.ddp  # noqa: E402
 from commpress.checkpoint import write_private  # noqa: E402
 
@@ -56,22 +57,6 @@ def parse_spec(spec: str) -> tuple[str, dict[str, object]]:
     return name, opts
 
 
-def init_process_group(attempt: int) -> None:
-    """``init_process_group("gloo")`` on torchrun's store, under a prefix of its own per restart.
-
-    torch 2.13's torchrun keeps one TCPStore for every restart of a job (the rendezvous's
-    shared store), and gloo's rendezvous keys of the killed attempt are still in it: a plain
-    ``init_process_group`` in the restarted workers reads the dead workers' addresses and fails
-    (``Gloo connectFullMesh failed ... Connection refused``, or a 300 s ``Connect timeout``;
-    measured here with a 10-line script, no commpress). A prefix per attempt avoids it, as does
-    launching with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``.
-    """
-    timeout = datetime.timedelta(seconds=60)
-    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
-    store = dist.PrefixStore(f"attempt-{attempt}", store)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
-
-
 def main() -> None:
     """Train, checkpointing every ``--every`` steps, resuming from ``latest`` if present."""
     parser = argparse.ArgumentParser()
@@ -86,7 +71,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    init_process_group(attempt)
+    commpress.init_restartable_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     ckpt = Path(args.ckpt)
 

@@ -92,3 +92,11 @@ def test_load_at_another_world_size_keeps_what_is_global_and_drops_per_rank_stat
             assert got["rules"] == saved["rules"]
             assert got["residuals"] == 0 and got["velocities"] == 0
             assert got["after_step"] == ew.RESIZE_STEPS + 3 and got["same_across_ranks"], (algorithm, world, got)
+
+
+def test_init_restartable_process_group_refuses_what_it_reads_from_torchrun() -> None:
+    import commpress
+
+    for key in ("rank", "world_size", "store", "init_method"):
+        with pytest.raises(ValueError, match=f"reads {key} from torchrun's environment"):
+            commpress.init_restartable_process_group("gloo", **{key: 0})

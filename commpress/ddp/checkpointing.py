@@ -4,6 +4,9 @@ What is saved: residuals (keyed by parameter name), codec configuration, step an
 momentum's rules and velocities, the guard's counters and the collectives' counters; this rank's
 only (residuals differ per rank), plain types and tensors so ``torch.load(..., weights_only=True)``
 reads it back. :class:`DDPCheckpoint` is the state's base class: it names the attributes it reads.
+
+A file written at another world size loads what is the same on every rank and drops the
+per-rank residuals and velocities with one warning (:func:`resized_load` says why).
 """
 
 from __future__ import annotations
@@ -146,8 +149,10 @@ class DDPCheckpoint(checkpoint.StateFile):
         """Restore :meth:`state_dict` output after validating all of it (all or nothing).
 
         Raises ValueError (:class:`CodecError` for a codec mismatch) when the checkpoint was
-        written with another codec, algorithm, world size or rank, or for other shapes, and for
-        entries of the wrong type (a malformed or hostile checkpoint).
+        written with another codec or algorithm, by another rank of the same world size, or for
+        other shapes, and for entries of the wrong type (a malformed or hostile checkpoint).
+        Written at another world size, it loads all but this rank's residuals and velocities,
+        which start empty, and logs one warning naming what was dropped (:func:`resized_load`).
         """
         try:
             self._load_state_dict(state)
