@@ -328,8 +328,8 @@ def init_restartable_process_group(backend: str = "gloo", *, timeout: datetime.t
     torch 2.13's torchrun keeps one TCPStore for every restart of a job, and the process group's
     rendezvous keys of the killed attempt are still in it: a plain ``init_process_group("gloo")``
     in the restarted workers reads the dead workers' addresses and fails (measured, without
-    commpress: ``Gloo connectFullMesh failed ... Connection refused`` on all three attempts, or a
-    300 s ``Connect timeout``). This builds the process group on the same ``env://`` store under
+    commpress: ``Gloo connectFullMesh failed ... Connection refused`` on both restarts, or a
+    302 s wait for ``Connect timeout``). This builds the process group on the same ``env://`` store under
     a prefix of its own per attempt (``TORCHELASTIC_RESTART_COUNT``), which avoids it; outside
     torchrun the prefix is ``attempt-0`` and nothing else changes.
 
