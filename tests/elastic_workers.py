@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import commpress  # noqa: E402
 import commpress.ddp  # noqa: E402
 from commpress.checkpoint import write_private  # noqa: E402
+from commpress.optim import DivergenceGuard  # noqa: E402
 
 
 def batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,6 +66,8 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=8)
     parser.add_argument("--codec", default="topk:ratio=0.01")
     parser.add_argument("--optimizer-arg", action="store_true", help="register(..., optimizer=opt) as in the README")
+    parser.add_argument("--guard-threshold", type=float, default=None,
+                        help="a divergence guard measuring every 3 steps, 5 dense steps when it fires")
     parser.add_argument("--kill-rank", type=int, default=-1)
     parser.add_argument("--kill-at", type=int, default=-1)
     args = parser.parse_args()
@@ -82,6 +85,8 @@ def main() -> None:
     name, opts = parse_spec(args.codec)
     if args.optimizer_arg:
         opts["optimizer"] = opt
+    if args.guard_threshold is not None:
+        opts["divergence_guard"] = DivergenceGuard(interval=3, threshold=args.guard_threshold, dense_steps=5)
     state = commpress.ddp.register(ddp, name, **opts)  # type: ignore[arg-type]
 
     start = 0
