@@ -16,12 +16,16 @@ from ._version import __version__ as __version__
 from .errors import CodecError, WireError
 from .feedback import ErrorFeedback
 from .info import info
-from .preemption import PreemptionHandler, install_preemption_handler
+from .preemption import (
+    PreemptionHandler,
+    init_restartable_process_group,
+    install_preemption_handler,
+)
 from .wire.packet import Packet
 
 __all__ = [
     "CodecError", "ErrorFeedback", "Packet", "PreemptionHandler", "WireError", "codecs", "comm", "ddp", "feedback", "fsdp", "integrations",
-    "info", "install_preemption_handler", "ps", "wire",
+    "info", "init_restartable_process_group", "install_preemption_handler", "ps", "wire",
 ]
 
 # Loaded on first use: they import torch.distributed (and mpi4py for ps), which plain codec

@@ -23,7 +23,10 @@ That is what the callers' plausibility checks bound (:func:`validate`, ``load_st
 **Writing** (:func:`write_private`): a fresh ``tempfile.mkstemp`` name in the target directory
 (unpredictable, created exclusively with mode 0600, so a planted symlink cannot redirect the
 write), flushed and fsynced, renamed over the final name (``os.replace`` replaces a symlink
-there rather than following it), then the directory is fsynced.
+there rather than following it), then the directory is fsynced. A failure (a full disk, a file
+size limit) raises :class:`SaveError` naming the path, the cause and the stage, with the old file
+in place; a kill leaves the old file or the new one, and the next save removes the temporary
+file a killed one left (``tests/test_save_pressure.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import os
 import stat
 import struct
 import tempfile
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -71,27 +75,103 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
+class SaveError(OSError):
+    """Writing a checkpoint failed (full disk, quota, file size limit, permissions): nothing was replaced.
+
+    An ``OSError`` (``errno`` the cause's, ``path`` the file that was being saved) whose message
+    names the path, the cause and the stage; the file at ``path`` is what it was before the
+    call, the temporary file is removed, and the state that was being saved is unchanged, so a
+    retry once the cause is fixed writes the same checkpoint.
+    """
+
+    def __init__(self, errno: int | None, message: str, path: str) -> None:
+        super().__init__(errno, message)
+        #: the file that was being saved
+        self.path = path
+
+
+#: length of the random part of a ``tempfile.mkstemp`` name
+_MKSTEMP_RANDOM = 8
+
+
+def _temp_affixes(path: str) -> tuple[str, str]:
+    """The prefix and suffix of :func:`write_private`'s temporary names for ``path``."""
+    return f".{os.path.basename(path)}.", ".tmp"
+
+
+def _remove_stale_temps(path: str, before: float, keep: str) -> int:
+    """Remove temporary files an earlier, killed :func:`write_private` of ``path`` left behind.
+
+    Only names of exactly the ``mkstemp`` shape of ``path``'s temporary files, regular files
+    (not symlinks), last modified before ``before`` (this call's own start, so a save of the
+    same path still in flight elsewhere is spared), and never ``keep``. Errors are ignored: a
+    leftover is a few wasted bytes, never a wrong checkpoint (it has another name, and a
+    partial one fails the digest). Returns how many were removed.
+    """
+    directory = os.path.dirname(path) or "."
+    prefix, suffix = _temp_affixes(path)
+    removed = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        if (not name.startswith(prefix) or not name.endswith(suffix)
+                or len(name) != len(prefix) + _MKSTEMP_RANDOM + len(suffix)):
+            continue
+        full = os.path.join(directory, name)
+        if full == keep:
+            continue
+        try:
+            st = os.lstat(full)
+            if stat.S_ISREG(st.st_mode) and st.st_mtime < before:
+                os.remove(full)
+                removed += 1
+        except OSError:
+            continue
+    return removed
+
+
 def write_private(path: str, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically through a private temporary file (mode 0600).
 
     The temporary name comes from ``tempfile.mkstemp`` in the same directory (exclusive
-    creation, unpredictable name); it is fsynced, then renamed over ``path``.
+    creation, unpredictable name); it is fsynced, then renamed over ``path``. A process killed
+    at any point leaves ``path`` as it was or complete (never half a file) and at most a
+    temporary ``.NAME.XXXXXXXX.tmp`` beside it, which the next save of ``path`` removes.
+
+    Raises:
+        SaveError: creating, writing, syncing or renaming failed (a full disk: ``ENOSPC``; a
+            file size limit: ``EFBIG``); ``path`` is unchanged and the temporary file removed.
     """
     directory = os.path.dirname(path) or "."
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    prefix, suffix = _temp_affixes(path)
+    started = time.time()
+    stage = "creating a temporary file"
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=prefix, suffix=suffix)
+        stage = f"writing {len(data)} bytes"
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
+            stage = "syncing"
             os.fsync(f.fileno())
+        stage = "renaming the temporary file into place"
         os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.remove(tmp)
-        except FileNotFoundError:
-            pass
+    except BaseException as exc:
+        if tmp is not None:
+            try:
+                os.remove(tmp)
+            except FileNotFoundError:
+                pass
+        if isinstance(exc, OSError):
+            cause = exc.strerror or str(exc)
+            raise SaveError(exc.errno, f"cannot save {path}: {cause} ({stage} in {directory}); {path} is unchanged "
+                            f"and the temporary file was removed: fix the cause and save again", path) from exc
         raise
     _fsync_dir(directory)
+    _remove_stale_temps(path, started, keep=tmp)
 
 
 def read_regular(path: str, what: str = "checkpoint") -> bytes:
@@ -249,7 +329,9 @@ class StateFile:
         """Write :meth:`state_dict` to ``path`` (one file per rank): sha256 digest, private atomic write.
 
         The file is created through a fresh ``mkstemp`` name with mode 0600 and renamed over
-        ``path`` (a symlink there is replaced, never followed).
+        ``path`` (a symlink there is replaced, never followed). A failure raises
+        :class:`SaveError` (an ``OSError``) naming ``path`` and the cause; ``path`` and this
+        state are unchanged, so calling ``save`` again once the cause is fixed works.
         """
         save_state(path, self.state_dict())
 
@@ -264,6 +346,7 @@ class StateFile:
 
 
 __all__ = [
-    "HEADER_NBYTES", "MAX_ABS", "PS_MAGIC", "STATE_FILE_FORMAT", "STATE_MAGIC", "CheckpointError", "StateFile", "decode",
+    "HEADER_NBYTES", "MAX_ABS", "PS_MAGIC", "STATE_FILE_FORMAT", "STATE_MAGIC", "CheckpointError", "SaveError", "StateFile",
+    "decode",
     "encode", "frame", "load_state", "read_file", "read_regular", "save_state", "validate", "write_file", "write_private",
 ]

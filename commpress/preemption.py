@@ -27,6 +27,7 @@ next step's collectives.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import signal
@@ -320,4 +321,35 @@ def install_preemption_handler(
     )
 
 
-__all__ = ["EXIT_CODE", "PreemptionHandler", "install_preemption_handler", "stop_step"]
+def init_restartable_process_group(backend: str = "gloo", *, timeout: datetime.timedelta | None = None,
+                                   **kwargs: Any) -> None:
+    """``dist.init_process_group(backend)`` that also works in a torchrun restart (``--max-restarts``).
+
+    torch 2.13's torchrun keeps one TCPStore for every restart of a job, and the process group's
+    rendezvous keys of the killed attempt are still in it: a plain ``init_process_group("gloo")``
+    in the restarted workers reads the dead workers' addresses and fails (measured, without
+    commpress: ``Gloo connectFullMesh failed ... Connection refused`` on both restarts, or a
+    302 s wait for ``Connect timeout``). This builds the process group on the same ``env://`` store under
+    a prefix of its own per attempt (``TORCHELASTIC_RESTART_COUNT``), which avoids it; outside
+    torchrun the prefix is ``attempt-0`` and nothing else changes.
+
+    Args:
+        backend: the process group's backend (``"gloo"``, ``"nccl"``).
+        timeout: the store's and the collectives' timeout (default: torch's).
+        **kwargs: passed on to ``dist.init_process_group`` (``device_id``, ``pg_options``, ...).
+    """
+    for key in ("store", "init_method", "rank", "world_size"):
+        if key in kwargs:
+            raise ValueError(f"init_restartable_process_group reads {key} from torchrun's environment; do not pass it")
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if timeout is None:
+        store, rank, world = next(dist.rendezvous("env://"))
+    else:
+        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+        store.set_timeout(timeout)
+        kwargs["timeout"] = timeout
+    dist.init_process_group(backend, store=dist.PrefixStore(f"attempt-{attempt}", store), rank=rank,
+                            world_size=world, **kwargs)
+
+
+__all__ = ["EXIT_CODE", "PreemptionHandler", "init_restartable_process_group", "install_preemption_handler", "stop_step"]

@@ -4,10 +4,14 @@ What is saved: residuals (keyed by parameter name), codec configuration, step an
 momentum's rules and velocities, the guard's counters and the collectives' counters; this rank's
 only (residuals differ per rank), plain types and tensors so ``torch.load(..., weights_only=True)``
 reads it back. :class:`DDPCheckpoint` is the state's base class: it names the attributes it reads.
+
+A file written at another world size loads what is the same on every rank and drops the
+per-rank residuals and velocities with one warning (:func:`resized_load` says why).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,6 +32,52 @@ from .planning import ParamPlan
 from .residuals import ParamResiduals
 
 STATE_FORMAT = 1
+logger = logging.getLogger("commpress")
+
+
+def _norm(tensors: Any) -> float:
+    """The 2-norm of every tensor in a (nested) mapping of tensors, as one vector."""
+    total = 0.0
+    for v in (tensors or {}).values():
+        if isinstance(v, torch.Tensor):
+            total += float(v.double().square().sum())
+        elif isinstance(v, Mapping):
+            total += _norm(v) ** 2
+    return total ** 0.5
+
+
+def resized_load(saved: Mapping[str, Any], velocity: Mapping[str, torch.Tensor], world_size: int, rank: int) -> str:
+    """What a load at another world size drops, as the one warning it logs.
+
+    A checkpoint written at ``W`` ranks loaded at ``W' != W``: the configuration, step, seed,
+    counters, guard state, momentum rules and optimizer modes are loaded; this rank's
+    error-feedback residuals and velocities start empty (a velocity starts from the next
+    gradient, as in ``torch.optim.SGD``). Why not redistribute: the update is the mean over
+    ranks of the compressed ``g + e``, so what matters is ``sum(e) / W``; keeping it at ``W'``
+    ranks needs every old rank's residuals on the new ranks, and one file per rank (on nodes
+    that may no longer exist) does not give that. What is lost is bounded: the residual is
+    what compression has not yet sent, a few steps' worth of gradient (the divergence guard's
+    ratio measures it), and the velocity is momentum that rebuilds in ``~1/(1-momentum)`` steps.
+    """
+    residuals = _residuals(saved)
+    count = sum(len(r) for r in residuals.values())
+    return (
+        f"commpress DDP state: checkpoint written by {saved['world_size']} ranks (file of rank {saved['rank']}) "
+        f"loaded at {world_size} ranks (rank {rank}): loaded the configuration, step {saved['step']}, seed, "
+        f"counters, guard state and momentum rules; dropped this rank's per-rank state: {count} "
+        f"error-feedback residual(s) (norm {_norm(residuals):.4g}) and {len(velocity)} velocity(ies) "
+        f"(norm {_norm(velocity):.4g}), which start empty"
+    )
+
+
+def _residuals(saved: Mapping[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
+    """The checkpoint's residual tensors, by feedback ("feedback", "server_feedback") and key."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for key in ("feedback", "server_feedback"):
+        fb = saved.get(key)
+        if isinstance(fb, Mapping) and isinstance(fb.get("residuals"), Mapping):
+            out[key] = {str(k): v for k, v in fb["residuals"].items() if isinstance(v, torch.Tensor)}
+    return out
 
 
 class DDPCheckpoint(checkpoint.StateFile):
@@ -99,8 +149,10 @@ class DDPCheckpoint(checkpoint.StateFile):
         """Restore :meth:`state_dict` output after validating all of it (all or nothing).
 
         Raises ValueError (:class:`CodecError` for a codec mismatch) when the checkpoint was
-        written with another codec, algorithm, world size or rank, or for other shapes, and for
-        entries of the wrong type (a malformed or hostile checkpoint).
+        written with another codec or algorithm, by another rank of the same world size, or for
+        other shapes, and for entries of the wrong type (a malformed or hostile checkpoint).
+        Written at another world size, it loads all but this rank's residuals and velocities,
+        which start empty, and logs one warning naming what was dropped (:func:`resized_load`).
         """
         try:
             self._load_state_dict(state)
@@ -115,12 +167,11 @@ class DDPCheckpoint(checkpoint.StateFile):
         check_state_header(saved, required=required, fmt=STATE_FORMAT, codec=self.codec, what="commpress DDP state")
         if saved["algorithm"] != self.algorithm:
             raise ValueError(f"algorithm mismatch: checkpoint has {saved['algorithm']!r}, this state {self.algorithm!r}")
-        if saved["world_size"] != self.world_size:
-            raise ValueError(
-                f"world size mismatch: checkpoint was written by {saved['world_size']} ranks, this process "
-                f"group has {self.world_size} (residuals are per rank and cannot be redistributed)"
-            )
-        if saved["rank"] != self.rank:
+        saved_world = saved["world_size"]
+        if not isinstance(saved_world, int) or isinstance(saved_world, bool) or not 1 <= saved_world < 1 << 31:
+            raise ValueError(f"world_size must be a positive int, got {saved_world!r}")
+        resized = saved_world != self.world_size  # residuals and velocities are dropped (see resized_load)
+        if not resized and saved["rank"] != self.rank:
             raise ValueError(
                 f"rank mismatch: this is rank {self.rank}'s state slot but the checkpoint is rank "
                 f"{saved['rank']}'s; save and load one commpress state per rank"
@@ -167,7 +218,7 @@ class DDPCheckpoint(checkpoint.StateFile):
         ):
             if (fb is None) != (saved_fb is None):
                 raise ValueError(f"{what}: checkpoint {'has' if saved_fb is not None else 'lacks'} it, this state does not agree")
-            if fb is not None:
+            if fb is not None and not resized:
                 fb.load_state_dict(saved_fb)  # validates keys, shapes, dtypes, finiteness
         if self.modes:
             saved_modes = dict(saved.get("modes") or {})
@@ -178,12 +229,16 @@ class DDPCheckpoint(checkpoint.StateFile):
             self.guard.load(saved["guard"])
         for mode in self.modes:
             mode.load_state_dict(dict(saved_modes[mode.name]))
+        if resized:
+            dropped = resized_load(saved, velocity, self.world_size, self.rank)
         self.residuals = fresh
         if self.handover is not None and self.handover.in_optimizer:
             self.handover.take(keep_velocity=True)  # the checkpoint's velocities are the momentum now: the hook applies it
-        self.correction.velocity = velocity
+        self.correction.velocity = {} if resized else velocity
         if discovering:
             self.correction.rules = saved_rules
         self.step, self.seed = step, seed
         self._stats.load(stats.as_dict())  # in place: the collectives hold this object
         self._stats_from_step = stats_from
+        if resized:
+            logger.warning("%s", dropped)
