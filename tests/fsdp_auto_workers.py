@@ -139,3 +139,21 @@ def worker_auto(rank: int, world: int, ckpt: str) -> None:
                      f"fallback: {_choices(failed)} {failed.auto.fallback!r}")
     Path(ckpt, f"done{rank}").write_text("ok")
 
+
+def worker_discovery_first_step(rank: int, world: int) -> None:
+    """Registered without ``optimizer=``, top-k and sign with the user's SGD momentum run bit for bit the run
+    registered with ``optimizer=``: the local velocities start from the first step's local gradients."""
+    for codec, params in (("topk", {"ratio": 0.1}), ("sign", {})):
+        passed, found = make_fsdp(), make_fsdp()
+        passed_opt, found_opt = _sgd(passed), _sgd(found)
+        commpress.fsdp.register(passed, codec, optimizer=passed_opt, **params)
+        state = commpress.fsdp.register(found, codec, **params)
+        assert_all_ranks(state.keeping_first_gradients and state.discovery is not None, "not keeping first gradients")
+        for step in range(5):
+            a, b = _step(passed, passed_opt, rank, step), _step(found, found_opt, rank, step)
+            assert_all_ranks(a == b, f"{codec} step {step}: loss {b} != {a} (optimizer= passed)")
+            if step == 0:
+                assert_all_ranks(state.optimizer is found_opt and not state.keeping_first_gradients
+                                 and not state._first_gradients, f"{codec}: not adopted, or gradients still kept")
+        assert_all_ranks(torch.equal(full_params(passed), full_params(found)),
+                         f"{codec}: discovered run differs from the run with optimizer=")

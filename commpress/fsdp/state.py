@@ -66,11 +66,12 @@ from .. import checkpoint, codecs, comm
 from .. import options as opts
 from ..checks import check_loaded_tensor
 from ..codecs import Codec, NoneCodec
+from ..codecs.base import all_finite
 from ..comm import CommStats, Slot, piece_key, resolve_codec
 from ..comm.agreement import check_same_config
 from ..comm.faults import FaultChannel
 from ..errors import CodecError, ConfigurationError
-from ..feedback import ErrorFeedback, check_state_header
+from ..feedback import ErrorFeedback, check_state_header, residual_dtype
 from ..optim import (
     DISCOVER,
     DivergenceGuard,
@@ -231,7 +232,7 @@ class FSDPCompressionState(checkpoint.StateFile):
         "codec", "error_feedback", "residual_dtype", "residual_kind", "seed", "world_size", "rank", "modules",
         "feedback", "_low", "_stats", "_rule", "_group", "faults", "step", "warmup", "guard", "correction",
         "optimizer", "discovery", "adam", "handover", "_placement", "_params", "_measured", "allgather",
-        "_stats_log", "auto",
+        "_stats_log", "auto", "_first_gradients", "keeping_first_gradients",
     )
 
     def __init__(
@@ -319,11 +320,16 @@ class FSDPCompressionState(checkpoint.StateFile):
         self._params = {n: p for n, p in model.named_parameters()}
         self._placement: dict[str, str] = {}  # name -> "shard" | "gain" | "local" (see the module docstring)
         self.discovery: OptimizerDiscovery | None = None
+        #: each compressed parameter's local gradient chunks of the step before an optimizer is discovered
+        self._first_gradients: dict[str, tuple[str, torch.Tensor]] = {}
+        #: the reduce-scatter keeps them only while this is True (off the hot path after adoption)
+        self.keeping_first_gradients = False
         if discover and self.uses_feedback:
             # no optimizer= given: adopt the one that steps these parameters, after its first step
             planned = self._shard_plans()
-            self.discovery = OptimizerDiscovery([self._params[n] for n in planned], self._adopt_optimizer,
+            self.discovery = OptimizerDiscovery([self._params[n] for n in planned], self._discovered,
                                                 "commpress.fsdp.register")
+            self.keeping_first_gradients = True
         elif not discover:
             assert not isinstance(optimizer, str)
             self._adopt_optimizer(optimizer)
@@ -441,6 +447,38 @@ class FSDPCompressionState(checkpoint.StateFile):
         return [] if self.auto is None else self.auto.report()
 
     # ----- the user's optimizer ----------------------------------------------------------------
+    def _keep_first_gradients(self, plan: ModulePlan, flat: torch.Tensor) -> None:
+        """While an optimizer is still to be discovered: keep this module's local gradient chunks (one step).
+
+        Passed as ``optimizer=``, a ``"local"`` velocity (top-k, sign) starts from each rank's own
+        gradient chunks; the discovered optimizer's momentum buffer after that step is the
+        *reduced, compressed* shard. Starting those velocities from the kept chunks instead makes
+        a discovered run the same run as one with ``optimizer=``, bit for bit (as on DDP). Costs one
+        copy of the compressed parameters' full local gradient for one step.
+        """
+        if self.discovery is None or not self.discovery.pending or self.correction.rules:
+            # adopted, refused (a subset optimizer), or resumed: a checkpoint's rules and velocities
+            # already run in the reduce-scatter, and they go on as they were saved
+            self._first_gradients.clear()
+            self.keeping_first_gradients = False
+            return
+        for j in range(plan.world_size):
+            base = j * plan.chunk_numel
+            for p in plan.params:
+                if p.compressed:
+                    view = flat[base + p.offset : base + p.offset + p.chunk_numel]
+                    self._first_gradients[piece_key(p.name, j)] = (p.name, view.to(residual_dtype(view.dtype), copy=True))
+
+    def _discovered(self, optimizer: torch.optim.Optimizer) -> None:
+        """Adopt the optimizer found after its first step; local velocities start from the kept gradients."""
+        self._adopt_optimizer(optimizer)
+        if self.handover is not None and self.adam is None:
+            for key, (name, g) in self._first_gradients.items():
+                if self._placement.get(name) == "local" and name in self.correction.rules and all_finite(g):
+                    self.correction.velocity[key] = g
+        self._first_gradients = {}
+        self.keeping_first_gradients = False
+
     def _shard_plans(self) -> dict[str, ShardPlan]:
         return {p.name: p for m in self.modules for p in m.params}
 
@@ -600,6 +638,8 @@ class FSDPCompressionState(checkpoint.StateFile):
         else:
             slots = self._slots(plan, n)
         flat_in, flat_out = input.view(-1), output.view(-1)
+        if self.keeping_first_gradients:  # no optimizer= yet: its first step's local gradients start the velocities
+            self._keep_first_gradients(plan, flat_in)
         working_set = self.feedback is not None and self.residual_kind != "float32"
         # a failure here is every rank's error; a rank waiting on a failed peer raises, never hangs
         with self.faults.guarded(f"module {plan.name!r}, reduce-scatter {plan.calls}"):

@@ -87,3 +87,7 @@ def test_auto_chooses_per_module_and_survives_checkpoints(tmp_path: Path) -> Non
     w.launch(aw.worker_auto, 2, str(tmp_path), timeout=240)
     assert all((tmp_path / f"done{r}").exists() for r in range(2))
 
+
+def test_discovered_optimizer_is_bit_for_bit_the_passed_one() -> None:
+    w.launch(aw.worker_discovery_first_step, 2, timeout=240)
+
