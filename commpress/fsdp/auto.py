@@ -147,12 +147,13 @@ class FSDPAuto:
 
     @classmethod
     def from_options(cls, codec_params: dict[str, Any], *, param_codec: Any = None, error_feedback: Any = None,
-                     warmup_codec: Any = None) -> FSDPAuto:
+                     warmup_codec: Any = None, warmup_steps: Any = None) -> FSDPAuto:
         """The policy from ``register``'s ``auto_*`` options (popped from ``codec_params``); refuse the rest.
 
         ``codec="auto"`` takes no codec parameters (its candidates are fixed), no ``param_codec=``
-        (it chooses the all-gathers), no ``error_feedback=True`` and no ``warmup_codec=`` (its
-        candidates keep no residuals): each raises a :class:`CodecError` naming it.
+        (it chooses the all-gathers), no ``error_feedback=True`` and no ``warmup_codec=`` or
+        ``warmup_steps`` above 0 (its candidates keep no residuals): each raises a
+        :class:`CodecError` naming it.
         """
         link = codec_params.pop("auto_link", None)
         numel = codec_params.pop("auto_calibration_numel", CALIBRATION_NUMEL)
@@ -160,6 +161,9 @@ class FSDPAuto:
                                 ("warmup_codec", warmup_codec, "its candidates keep no residuals and need no warm-up")):
             if value is not None:
                 raise CodecError(f"codec='auto' takes no {key}= ({why}); drop {key}= or name a codec")
+        if warmup_steps:
+            raise CodecError(f"codec='auto' takes no warmup_steps={warmup_steps!r}: its candidates keep no residuals and "
+                             "need no warm-up (a module compresses from its first step or not at all)")
         if error_feedback:
             raise CodecError("codec='auto' takes no error_feedback=True: its candidates (bf16, 2-bit QSGD, int8) keep no "
                              "residuals, and a biased codec would need the optimizer modes per module")

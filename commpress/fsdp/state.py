@@ -258,7 +258,7 @@ class FSDPCompressionState(checkpoint.StateFile):
         self.auto: FSDPAuto | None = None
         if is_auto(codec):
             self.auto = FSDPAuto.from_options(codec_params, param_codec=param_codec, error_feedback=error_feedback,
-                                              warmup_codec=warmup_codec)
+                                              warmup_codec=warmup_codec, warmup_steps=warmup_steps)
             codec, codec_params = self.auto.grad_codec, {}
             param_codec = {"forward": self.auto.param_codec, "backward": REUSE}
         elif any(k in AUTO_OPTIONS for k in codec_params):

@@ -68,6 +68,7 @@ def test_all_gather_prediction_counts_gathers_and_reuse() -> None:
         ({"param_codec": "int8"}, "takes no param_codec="),
         ({"error_feedback": True}, "takes no error_feedback=True"),
         ({"warmup_codec": "qsgd"}, "takes no warmup_codec="),
+        ({"warmup_steps": 5}, "takes no warmup_steps=5"),
         ({"auto_calibration_numel": 0}, "auto_calibration_numel must be an int"),
     ],
 )
