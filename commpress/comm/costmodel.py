@@ -44,7 +44,8 @@ gradient reduce-scatter (:func:`predict_reduce_scatter`: torch's ring reduce-sca
 step (:func:`predict_all_gather`: one or two ring all-gathers, or one whose frames the backward
 decodes again), each among :data:`SHARDED_OPTIONS`, with the device costs of several codecs
 measured at once by :func:`calibrate_codecs` (one all-reduce, with a failure flag, so a rank
-that cannot measure makes every rank fall back instead of raising alone). :func:`best` takes the
+that cannot measure makes every rank fall back instead of raising alone), and each option's fixed
+cost per call, timed on the real paths (:func:`time_over_ranks`, :func:`path_overhead`). :func:`best` takes the
 option order to break ties in; :func:`check_link` is the one check of a given link.
 """
 
@@ -198,6 +199,48 @@ def predict(
 def best(predicted: dict[str, float], order: Sequence[str] = OPTIONS) -> str:
     """The option with the least time (ties: the earlier in ``order``, by default :data:`OPTIONS`)."""
     return min((o for o in order if o in predicted), key=lambda o: (predicted[o], order.index(o)))
+
+
+def time_over_ranks(
+    fns: Sequence[Any], *, group: Any = None, device: torch.device | str = "cpu", reps: int = 3
+) -> tuple[list[float] | None, str]:
+    """Median seconds of each of ``fns`` (after one untimed call), MAX over ranks; or None and why.
+
+    ``fns`` may issue collectives on ``group`` (every rank runs them in the same order). A rank on
+    which one raises stops timing and marks itself failed; one all-reduce of the times and the flag
+    follows on every rank alike, so a failure anywhere returns None everywhere (the reason on the
+    rank that failed, "a peer" on the others). A collective of ``group``.
+    """
+    times: list[float] = []
+    why = ""
+    try:
+        times = [_median_time(fn, reps) for fn in fns]
+    except Exception as exc:  # noqa: BLE001 - any failure must reach the all-reduce, not skip it
+        why = f"{type(exc).__name__}: {exc}"
+    if why or not all(math.isfinite(t) for t in times):
+        why = why or "a time was not a finite number"
+        times = [0.0] * len(fns)
+    reduced = _max_over_ranks([*times, 1.0 if why else 0.0], group, device)
+    if reduced[-1]:
+        return None, why or "timing failed on a peer rank"
+    return reduced[:-1], ""
+
+
+def path_overhead(measured: dict[str, float], predicted: dict[str, float], base: str = "dense") -> dict[str, float]:
+    """Per option, the seconds per call its real path took beyond ``base``'s that the model does not predict.
+
+    ``max((measured[o] - measured[base]) - (predicted[o] - predicted[base]), 0)``, ``base`` 0: measured
+    at a size where the wire hardly matters, this is the fixed cost of a call (frame headers,
+    packing, per-packet Python work) relative to the exact path, which per-element codec costs
+    miss (on a 137k-parameter LM over loopback, 2-bit QSGD modules predicted faster than FSDP's
+    own reduce-scatter ran 1.4x slower: ``scripts/bench_fsdp_lm.py --quick``). Relative to ``base``
+    because latency common to every option cancels, so a given link needs no real one measured.
+    """
+    out = {base: 0.0}
+    for o in measured:
+        if o != base:
+            out[o] = max((measured[o] - measured[base]) - (predicted[o] - predicted[base]), 0.0)
+    return out
 
 
 # ----- sharded training: one module's reduce-scatter and parameter all-gather ---------------------
@@ -521,6 +564,6 @@ def calibrate_codecs(
 __all__ = [
     "CALIBRATION_BYTES", "CALIBRATION_NUMEL", "OPTIONS", "SHARDED_OPTIONS", "DeviceCost", "Entry", "Link", "best",
     "calibrate_cast", "calibrate_codecs", "calibrate_compressed", "calibrate_device", "calibrate_link", "check_link",
-    "compressed_plan", "fit_link", "path_factor", "predict", "predict_all_gather", "predict_reduce_scatter",
-    "sharded_wire_time", "wire_time",
+    "compressed_plan", "fit_link", "path_factor", "predict", "path_overhead", "predict_all_gather",
+    "predict_reduce_scatter", "sharded_wire_time", "time_over_ranks", "wire_time",
 ]

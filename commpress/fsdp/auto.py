@@ -15,9 +15,11 @@ The compressed options are the recommended setting's codecs (``docs/fsdp.md``). 
 
 1. **Calibrate** at registration, after the configuration check, every rank together: the
    link's ``alpha``/``beta`` from timed all-reduces (:func:`~commpress.comm.costmodel.calibrate_link`,
-   unless ``auto_link=`` gives one), and the per-element costs of the bf16 cast, 2-bit QSGD and
-   int8 on this device (:func:`~commpress.comm.costmodel.calibrate_codecs`). Every number is
-   all-reduced with MAX, so every rank holds the same ones.
+   unless ``auto_link=`` gives one), the per-element costs of the bf16 cast, 2-bit QSGD and
+   int8 on this device (:func:`~commpress.comm.costmodel.calibrate_codecs`), and each option's
+   fixed cost per call beyond the exact path's, from its real reduce-scatter and all-gather run
+   on a small synthetic module (:func:`~commpress.comm.costmodel.path_overhead`). Every number
+   is all-reduced with MAX, so every rank holds the same ones.
 2. **Predict** each module's collectives from its sizes (padded shard, quantised elements, the
    frames' bytes, the dtypes FSDP reduces and gathers in, how many all-gathers a step makes:
    :func:`~commpress.comm.costmodel.predict_reduce_scatter`,
@@ -52,8 +54,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from .. import codecs
-from ..codecs import Codec
+from .. import codecs, comm
+from ..codecs import Codec, NoneCodec
+from ..comm import CommStats, Slot, piece_key
 from ..comm.costmodel import (
     SHARDED_OPTIONS,
     DeviceCost,
@@ -63,11 +66,13 @@ from ..comm.costmodel import (
     calibrate_codecs,
     calibrate_link,
     check_link,
+    path_overhead,
     predict_all_gather,
     predict_reduce_scatter,
+    time_over_ranks,
 )
 from ..errors import CodecError
-from .allgather import frame_layout
+from .allgather import AllGatherPlan, frame_layout
 
 if TYPE_CHECKING:
     from .state import FSDPCompressionState
@@ -84,6 +89,10 @@ PARAM_CODEC = "int8"
 CALIBRATION_NUMEL = 1 << 20
 #: The two collectives a module chooses for.
 COLLECTIVES = ("reduce_scatter", "all_gather")
+#: Elements per parameter of the synthetic module whose collectives are timed for each option's
+#: fixed cost per call (small: the wire hardly matters; as many parameters as the largest module, at most 16).
+OVERHEAD_NUMEL = 64
+OVERHEAD_MAX_PARAMS = 16
 
 
 @dataclass
@@ -137,6 +146,8 @@ class FSDPAuto:
         self.link: Link | None = link
         self.costs: dict[str, DeviceCost] | None = None
         self.choices: dict[str, ModuleChoice] = {}
+        #: per collective and option, its path's fixed seconds per call beyond the exact one's (measured)
+        self.overhead: dict[str, dict[str, float]] = {c: {} for c in COLLECTIVES}
         self.calibration_s = 0.0
         self.fallback = ""  # why every module is exact, when the calibration failed
         self.loaded = False  # the choices came from a checkpoint
@@ -202,6 +213,10 @@ class FSDPAuto:
             )
             if self.costs is None:
                 self.fallback = f"device calibration failed ({why})"
+        if not self.fallback:
+            why = self._time_paths(state, device)
+            if why:
+                self.fallback = f"timing the collectives failed ({why})"
         self.calibration_s = time.perf_counter() - t0
         if self.fallback:
             logger.warning("commpress auto (FSDP): %s; every module stays exact (FSDP's own collectives)", self.fallback)
@@ -213,6 +228,63 @@ class FSDPAuto:
                     self.link.gbit, self.link.alpha * 1e6,
                     ", ".join(f"{c.name}: {c.reduce_scatter}/{c.all_gather}" for c in self.choices.values()),
                     self.calibration_s)
+
+    def _time_paths(self, state: FSDPCompressionState, device: torch.device) -> str:
+        """Time every option's real reduce-scatter and all-gather on a small synthetic module (a collective).
+
+        Sets :attr:`overhead` (:func:`~commpress.comm.costmodel.path_overhead`: each option's fixed
+        cost per call beyond the exact path's, which per-element codec costs miss); returns why not.
+        """
+        assert self.link is not None and self.costs is not None
+        n, group, k = state.world_size, state._group, OVERHEAD_NUMEL
+        params = min(max(len(m.params) for m in state.modules), OVERHEAD_MAX_PARAMS)
+        chunk = params * k
+        gen = torch.Generator().manual_seed(3)
+        flat = torch.randn(n * chunk, generator=gen).to(device)
+        out = torch.empty(chunk, device=device)
+        counters = CommStats()  # not the state's: calibration traffic is not training traffic
+        rs_codecs = {"bf16": self.bf16, "compressed": self.grad_codec}
+
+        def reduce_scatter(codec: Codec) -> Any:
+            if isinstance(codec, NoneCodec):
+                slots = [Slot(f"auto calibration#{j}", j * chunk, (chunk,), codec) for j in range(n)]
+                algorithm = "reducescatter-dense"
+            else:
+                slots = [Slot(piece_key(f"auto calibration {p}", j), j * chunk + p * k, (k,), codec, p)
+                         for j in range(n) for p in range(params)]
+                algorithm = "reducescatter"
+            return lambda: comm.run(algorithm, flat, slots, group=group, stats=counters, output=out).wait()
+
+        fns = [reduce_scatter(c) for c in (self.none, *rs_codecs.values())]
+        entries = [Entry(k, True)] * params
+        predicted_rs = predict_reduce_scatter(entries, n, self.link, {o: self.costs[o] for o in rs_codecs}, rs_codecs)
+        ag_codecs = {"bf16": self.bf16, "compressed": self.param_codec}
+        plan = AllGatherPlan("auto calibration", [f"w{p}" for p in range(params)], [k] * params, [True] * params, n)
+        shard = torch.randn(chunk, generator=gen).to(device)
+        gathered = torch.empty(n * chunk, device=device)
+        ag = state.allgather
+
+        def all_gather(codec: Codec) -> Any:
+            def once() -> None:
+                assert ag is not None
+                plan.codecs, plan.reuse, plan.layouts = dict.fromkeys(("forward", "backward"), codec), False, {}
+                ag.gather(plan, gathered, shard, group)
+            return once
+
+        if ag is not None:
+            fns += [all_gather(c) for c in (self.none, *ag_codecs.values())]
+        measured, why = time_over_ranks(fns, group=group, device=device)
+        if ag is not None:
+            ag.reset_stats()  # calibration traffic is not training traffic
+        if measured is None:
+            return why
+        self.overhead["reduce_scatter"] = path_overhead(dict(zip(SHARDED_OPTIONS, measured[:3])), predicted_rs)
+        if ag is not None:
+            frames = {o: (frame_layout(plan, c, torch.float32).nbytes, self.costs["int8" if o == "compressed" else o])
+                      for o, c in ag_codecs.items()}
+            predicted_ag = predict_all_gather(chunk, chunk, n, self.link, dense_bytes=4 * chunk, frames=frames, gathers=1)
+            self.overhead["all_gather"] = path_overhead(dict(zip(SHARDED_OPTIONS, measured[3:])), predicted_ag)
+        return ""
 
     def _predict(self, state: FSDPCompressionState, model: torch.nn.Module, name: str) -> ModuleChoice:
         assert self.link is not None and self.costs is not None
@@ -228,6 +300,7 @@ class FSDPAuto:
                      if (o != "bf16" or reduce_dtype in wide) and (o != "compressed" or any(e.compressed for e in entries))}
         predicted = predict_reduce_scatter(entries, n, self.link, {o: self.costs[o] for o in ("bf16", "compressed")},
                                            rs_codecs, reduce_dtype)
+        predicted = {o: t + self.overhead["reduce_scatter"].get(o, 0.0) for o, t in predicted.items()}
         choice.predicted["reduce_scatter"] = predicted
         choice.reduce_scatter = best(predicted, SHARDED_OPTIONS)
         ag = state.allgather.plans.get(name) if state.allgather is not None else None
@@ -242,6 +315,7 @@ class FSDPAuto:
             size = torch.empty((), dtype=gather_dtype).element_size()
             predicted = predict_all_gather(ag.shard_numel, nc, n, self.link, dense_bytes=ag.shard_numel * size,
                                            frames=frames, gathers=gathers, reuse=("compressed",) if gathers == 2 else ())
+            predicted = {o: t + gathers * self.overhead["all_gather"].get(o, 0.0) for o, t in predicted.items()}
             choice.predicted["all_gather"] = predicted
             choice.all_gather = best(predicted, SHARDED_OPTIONS)
         return choice
@@ -292,6 +366,9 @@ class FSDPAuto:
         if self.link is not None:
             s["auto_link_alpha_s"] = self.link.alpha
             s["auto_link_gbit"] = self.link.gbit if math.isfinite(self.link.gbit) else 0.0
+        for collective, by_option in self.overhead.items():
+            for o, v in by_option.items():
+                s[f"auto_{collective}_{o}_call_s"] = v
         for kind, cost in (self.costs or {}).items():
             s[f"auto_{kind}_encode_ns"] = cost.encode_s * 1e9
             s[f"auto_{kind}_decode_ns"] = cost.decode_s * 1e9

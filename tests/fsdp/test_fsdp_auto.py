@@ -22,6 +22,7 @@ from commpress.comm.costmodel import (
     Entry,
     Link,
     best,
+    path_overhead,
     predict_all_gather,
     predict_reduce_scatter,
 )
@@ -57,6 +58,15 @@ def test_all_gather_prediction_counts_gathers_and_reuse() -> None:
     assert one["compressed"] < two["compressed"] < again["compressed"] == pytest.approx(2 * one["compressed"])
     # reuse: the backward decodes the kept frames (n decodes), no second all-gather or encode
     assert two["compressed"] - one["compressed"] == pytest.approx(2 * 1000 * COST.decode_s)
+
+
+def test_path_overhead_is_what_the_model_missed_beyond_the_exact_path() -> None:
+    measured = {"dense": 1.0e-3, "bf16": 1.2e-3, "compressed": 3.0e-3}
+    predicted = {"dense": 0.9e-3, "bf16": 1.0e-3, "compressed": 0.5e-3}
+    got = path_overhead(measured, predicted)
+    assert got["dense"] == 0.0
+    assert got["bf16"] == pytest.approx(0.1e-3) and got["compressed"] == pytest.approx(2.4e-3)
+    assert path_overhead({"dense": 1.0, "bf16": 0.5}, {"dense": 1.0, "bf16": 1.0})["bf16"] == 0.0  # never negative
 
 
 @pytest.mark.parametrize(
