@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import commpress.comm.costmodel as costmodel
 import commpress.fsdp
+import commpress.fsdp.auto as auto_mod
 from commpress.comm.costmodel import Link
 
 from ddp_workers import assert_all_ranks, batch
@@ -137,6 +138,20 @@ def worker_auto(rank: int, world: int, ckpt: str) -> None:
     assert_all_ranks(all(c == ("dense", "dense") for c in _choices(failed).values())
                      and failed.stats()["auto_fallback"] == 1 and "calibration failed" in failed.auto.fallback,
                      f"fallback: {_choices(failed)} {failed.auto.fallback!r}")
+    # a link calibration that raises (every rank: it is a collective) falls back too, ranks in step
+    real_link = auto_mod.calibrate_link
+
+    def no_link(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("the link cannot be timed")
+
+    auto_mod.calibrate_link = no_link  # type: ignore[assignment]
+    try:
+        unlinked = commpress.fsdp.register(make_fsdp(), "auto", **FAST_CALIBRATION)
+    finally:
+        auto_mod.calibrate_link = real_link
+    assert unlinked.auto is not None
+    assert_all_ranks(all(c == ("dense", "dense") for c in _choices(unlinked).values())
+                     and "link calibration failed" in unlinked.auto.fallback, f"link fallback: {unlinked.auto.fallback!r}")
     Path(ckpt, f"done{rank}").write_text("ok")
 
 

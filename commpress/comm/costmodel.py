@@ -532,7 +532,7 @@ def calibrate_device(
 
 def calibrate_codecs(
     codecs: dict[str, Codec], *, group: Any = None, device: torch.device | str = "cpu",
-    numel: int = CALIBRATION_NUMEL, reps: int = 3,
+    numel: int = CALIBRATION_NUMEL, reps: int = 3, failed: str = "",
 ) -> tuple[dict[str, DeviceCost] | None, str]:
     """Every codec's :class:`DeviceCost` (no error feedback), the same on every rank, or None and why.
 
@@ -540,13 +540,15 @@ def calibrate_codecs(
     a rank whose measurement raises or is not finite marks itself failed instead of raising, and
     one all-reduce (MAX) of every number and the failure flags follows on every rank alike, so a
     calibration that failed anywhere returns None everywhere (with the reason on the rank that
-    failed, "a peer" on the others) and the ranks stay in step. A collective of ``group``.
+    failed, "a peer" on the others) and the ranks stay in step. ``failed``: a reason this rank
+    already knows it cannot go on (an earlier part of the caller's calibration failed). A
+    collective of ``group``.
     """
     names = sorted(codecs)
     values: list[float] = []
-    why = ""
+    why = failed  # a reason the caller already has: measure nothing, raise the flag
     try:
-        for name in names:
+        for name in names if not failed else ():
             values += list(asdict(calibrate_device(codecs[name], feedback=False, device=device, numel=numel,
                                                    reps=reps, over_ranks=False)).values())
     except Exception as exc:  # noqa: BLE001 - any failure must reach the all-reduce, not skip it

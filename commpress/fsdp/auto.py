@@ -201,18 +201,19 @@ class FSDPAuto:
         device = first.device if first is not None else torch.device("cpu")
         group = state._group
         self.fallback = ""
+        failed = ""
         try:
             if self.link is None:
                 self.link = calibrate_link(group, device)
-        except Exception as exc:  # noqa: BLE001 - fall back to exact, say why
-            self.fallback = f"link calibration failed ({type(exc).__name__}: {exc})"
-        if not self.fallback:
-            self.costs, why = calibrate_codecs(
-                {"bf16": self.bf16, "compressed": self.grad_codec, "int8": self.param_codec},
-                group=group, device=device, numel=self.calibration_numel,
-            )
-            if self.costs is None:
-                self.fallback = f"device calibration failed ({why})"
+        except Exception as exc:  # noqa: BLE001 - fall back to exact, say why (on every rank: below)
+            failed = f"link calibration failed ({type(exc).__name__}: {exc})"
+        # every rank enters this all-reduce, a rank whose link calibration failed too (its flag)
+        self.costs, why = calibrate_codecs(
+            {"bf16": self.bf16, "compressed": self.grad_codec, "int8": self.param_codec},
+            group=group, device=device, numel=self.calibration_numel, failed=failed,
+        )
+        if self.costs is None:
+            self.fallback = f"calibration failed ({why})"
         if not self.fallback:
             why = self._time_paths(state, device)
             if why:
