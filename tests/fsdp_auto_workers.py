@@ -19,6 +19,7 @@ import commpress.comm.costmodel as costmodel
 import commpress.fsdp
 import commpress.fsdp.auto as auto_mod
 from commpress.comm.costmodel import Link
+from commpress.fsdp.auto import ModuleChoice
 
 from ddp_workers import assert_all_ranks, batch
 from fsdp_workers import full_params, make_fsdp
@@ -152,6 +153,21 @@ def worker_auto(rank: int, world: int, ckpt: str) -> None:
     assert unlinked.auto is not None
     assert_all_ranks(all(c == ("dense", "dense") for c in _choices(unlinked).values())
                      and "link calibration failed" in unlinked.auto.fallback, f"link fallback: {unlinked.auto.fallback!r}")
+    # every module forced to one option runs as that option's fixed-codec registration, bit for bit
+    for option, codec, kw in (("bf16", "bf16", {"param_codec": "bf16"}),
+                              ("compressed", "qsgd", {"bits": 2, "param_codec": {"forward": "int8", "backward": "reuse"}})):
+        forced, twin = make_fsdp(), make_fsdp()
+        fstate = commpress.fsdp.register(forced, "auto", auto_link=FAST, **FAST_CALIBRATION)
+        assert fstate.auto is not None
+        fstate.auto.choices = {m.name: ModuleChoice(m.name, option, option) for m in fstate.modules}
+        fstate._apply_auto()
+        commpress.fsdp.register(twin, codec, **kw)
+        forced_opt, twin_opt = _sgd(forced), _sgd(twin)
+        for step in range(3):
+            _step(forced, forced_opt, rank, step)
+            _step(twin, twin_opt, rank, step)
+        assert_all_ranks(torch.equal(full_params(forced), full_params(twin)), f"auto forced to {option} differs from {codec}")
+        assert_all_ranks(fstate.stats()["bytes_sent"] > 0 and fstate.stats()["allgather_bytes_sent"] > 0, "nothing counted")
     Path(ckpt, f"done{rank}").write_text("ok")
 
 

@@ -2,8 +2,10 @@
 
 The cost model's sharded predictions are checked as pure arithmetic; the workers check that a
 slow link (``auto_link=``) chooses the compressed options, a very fast one FSDP bit for bit, that
-ranks agree, that the choice survives DCP and ``state_dict`` save + load and that a failed
-calibration falls back to exact on every rank.
+ranks agree, that the choice survives DCP and ``state_dict`` save + load, that a failed
+calibration falls back to exact on every rank, and that every module forced to bf16 or to
+compressed trains bit for bit as ``register(model, "bf16", param_codec="bf16")`` or the
+recommended setting does.
 """
 
 from __future__ import annotations
