@@ -17,7 +17,10 @@ Methods (``--methods``, ``;``-separated): ``fp32`` (FSDP2 as is), ``bf16`` (FSDP
 ``cp-<codec>[:k=v,...][@option=value,...]`` for ``commpress.fsdp.register(model, codec,
 optimizer=opt, ...)`` where the options after ``@`` are ``mp=bf16`` (the bf16 policy
 underneath), ``param=<codec>`` or ``param=<forward>/<backward>`` (``param_codec=``), and any
-other keyword of :func:`commpress.fsdp.register` (``warmup_steps=0``).
+other keyword of :func:`commpress.fsdp.register` (``warmup_steps=0``). ``cp-auto`` is
+``register(model, "auto", optimizer=opt)``: per module, exact / bf16 / compressed for the
+reduce-scatter and the all-gather from the cost model (``docs/fsdp.md``); its choices are printed
+and kept in the JSON (``auto``).
 
     sudo python scripts/bench_fsdp_lm.py --links 1gbit --world 2
     sudo python scripts/bench_fsdp_lm.py --links unshaped,1gbit --world 2 --doc
@@ -50,6 +53,7 @@ DEFAULT_METHODS = [
     "cp-qsgd",
     "cp-qsgd:bits=2@param=int8/reuse",  # the recommended setting (docs/fsdp.md)
     "cp-sign@param=int8/reuse",
+    "cp-auto",  # per module from the cost model (commpress.fsdp.auto)
 ]
 LOSS_TARGET = 1.02  # time to FSDP fp32's final held-out loss x this
 START, END = "<!-- fsdp-lm:start -->", "<!-- fsdp-lm:end -->"
@@ -198,6 +202,8 @@ def run_method(method: str, args: argparse.Namespace, text: Any, heldout: tuple[
         "param_shard_bytes": param_shard, "grad_shard_bytes": grad_shard, "optimizer_bytes": opt_state,
         "compression_bytes": max(g["cstate"] for g in gathered),  # type: ignore[index]
         "stats": {} if state is None else {k: v for k, v in state.stats().items() if isinstance(v, (int, float))},
+        "auto": [] if state is None else [[row["module"], row["reduce_scatter"], row["all_gather"]]
+                                          for row in state.auto_report()],
     }
 
 
@@ -216,6 +222,12 @@ def rank_main(args: argparse.Namespace) -> int:
             print(f"[fsdp-lm] x{args.world} {method}: median step {res['median_step_s']:.3f} s, "
                   f"final loss {res['final_loss']:.4f}, AG {res['ag_bytes'] / 1e6:.2f} MB RS {res['rs_bytes'] / 1e6:.2f} MB",
                   file=sys.stderr, flush=True)
+            if res["auto"]:
+                st = res["stats"]
+                print(f"[fsdp-lm] x{args.world} {method} (link {st.get('auto_link_gbit', 0):.2f} Gbit/s, alpha "
+                      f"{st.get('auto_link_alpha_s', 0) * 1e6:.0f} us, calibrated in {st.get('auto_calibration_s', 0):.2f} s) "
+                      "chose (module: reduce-scatter/all-gather): "
+                      + ", ".join(f"{m}: {rs}/{ag}" for m, rs, ag in res["auto"]), file=sys.stderr, flush=True)
         results.append(res)
     if args.rank == 0:
         with open(args.out, "w") as f:
@@ -251,6 +263,10 @@ def table(data: dict[str, Any]) -> list[str]:
             + ("not reached | - |" if t is None else f"{t:.1f} | " + (f"{t_bf16 / t:.2f}x faster |" if t_bf16 else "- |"))
             + f" {' + '.join(f'{m / 1e6:.1f}' for m in mem)} |"
         )
+    for r in res:
+        if r.get("auto"):
+            lines += ["", f"`{r['method']}` chose (module: reduce-scatter / all-gather): "
+                      + ", ".join(f"{m}: {rs} / {ag}" for m, rs, ag in r["auto"]) + "."]
     return lines
 
 

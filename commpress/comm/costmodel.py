@@ -37,6 +37,16 @@ contention between ranks sharing cores), per-element costs measured at one size 
 ``beta`` fitted from all-reduces applied to all_gather/all_to_all. The fp16 option's cost beyond
 its bytes is timed on the group itself (:func:`calibrate_cast`), and so is the compressed path
 (:func:`calibrate_compressed` rescales encode and decode to match it).
+
+**Sharded training** (FSDP's ``codec="auto"``, :mod:`commpress.fsdp.auto`): one module's
+gradient reduce-scatter (:func:`predict_reduce_scatter`: torch's ring reduce-scatter, or the
+``reducescatter`` all_to_all of a cast or a codec's frames) and its parameter all-gathers of one
+step (:func:`predict_all_gather`: one or two ring all-gathers, or one whose frames the backward
+decodes again), each among :data:`SHARDED_OPTIONS`, with the device costs of several codecs
+measured at once by :func:`calibrate_codecs` (one all-reduce, with a failure flag, so a rank
+that cannot measure makes every rank fall back instead of raising alone), and each option's fixed
+cost per call, timed on the real paths (:func:`time_over_ranks`, :func:`path_overhead`). :func:`best` takes the
+option order to break ties in; :func:`check_link` is the one check of a given link.
 """
 
 from __future__ import annotations
@@ -52,7 +62,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..codecs import Codec
+from ..codecs import Codec, NoneCodec
 from ..codecs.base import all_finite
 from ..errors import CodecError
 from ..feedback import ErrorFeedback
@@ -104,6 +114,13 @@ class Link:
     def alltoall(self, nbytes: float, n: int) -> float:
         """all_to_all of ``nbytes`` per rank (``(n-1)/n`` of it leaves the rank)."""
         return 0.0 if n < 2 else (n - 1) * self.alpha + (n - 1) / n * nbytes * self.beta
+
+
+def check_link(value: Any, what: str = "auto_link") -> Link | None:
+    """``value`` if it is a :class:`Link` or None, else a :class:`CodecError` naming ``what``."""
+    if value is not None and not isinstance(value, Link):
+        raise CodecError(f"{what} must be a commpress.comm.costmodel.Link (e.g. Link.from_gbit(1.0)), got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -179,9 +196,116 @@ def predict(
     return out
 
 
-def best(predicted: dict[str, float]) -> str:
-    """The option with the least time (ties: the earlier in :data:`OPTIONS`)."""
-    return min((o for o in OPTIONS if o in predicted), key=lambda o: (predicted[o], OPTIONS.index(o)))
+def best(predicted: dict[str, float], order: Sequence[str] = OPTIONS) -> str:
+    """The option with the least time (ties: the earlier in ``order``, by default :data:`OPTIONS`)."""
+    return min((o for o in order if o in predicted), key=lambda o: (predicted[o], order.index(o)))
+
+
+def time_over_ranks(
+    fns: Sequence[Any], *, group: Any = None, device: torch.device | str = "cpu", reps: int = 3
+) -> tuple[list[float] | None, str]:
+    """Median seconds of each of ``fns`` (after one untimed call), MAX over ranks; or None and why.
+
+    ``fns`` may issue collectives on ``group`` (every rank runs them in the same order). A rank on
+    which one raises stops timing and marks itself failed; one all-reduce of the times and the flag
+    follows on every rank alike, so a failure anywhere returns None everywhere (the reason on the
+    rank that failed, "a peer" on the others). A collective of ``group``.
+    """
+    times: list[float] = []
+    why = ""
+    try:
+        times = [_median_time(fn, reps) for fn in fns]
+    except Exception as exc:  # noqa: BLE001 - any failure must reach the all-reduce, not skip it
+        why = f"{type(exc).__name__}: {exc}"
+    if why or not all(math.isfinite(t) for t in times):
+        why = why or "a time was not a finite number"
+        times = [0.0] * len(fns)
+    reduced = _max_over_ranks([*times, 1.0 if why else 0.0], group, device)
+    if reduced[-1]:
+        return None, why or "timing failed on a peer rank"
+    return reduced[:-1], ""
+
+
+def path_overhead(measured: dict[str, float], predicted: dict[str, float], base: str = "dense") -> dict[str, float]:
+    """Per option, the seconds per call its real path took beyond ``base``'s that the model does not predict.
+
+    ``max((measured[o] - measured[base]) - (predicted[o] - predicted[base]), 0)``, ``base`` 0: measured
+    at a size where the wire hardly matters, this is the fixed cost of a call (frame headers,
+    packing, per-packet Python work) relative to the exact path, which per-element codec costs
+    miss (on a 137k-parameter LM over loopback, 2-bit QSGD modules predicted faster than FSDP's
+    own reduce-scatter ran 1.4x slower: ``scripts/bench_fsdp_lm.py --quick``). Relative to ``base``
+    because latency common to every option cancels, so a given link needs no real one measured.
+    """
+    out = {base: 0.0}
+    for o in measured:
+        if o != base:
+            out[o] = max((measured[o] - measured[base]) - (predicted[o] - predicted[base]), 0.0)
+    return out
+
+
+# ----- sharded training: one module's reduce-scatter and parameter all-gather ---------------------
+#: The options of a sharded module's collective, in the order ties are broken (exact first).
+SHARDED_OPTIONS = ("dense", "bf16", "compressed")
+
+
+def sharded_wire_time(link: Link, plan: dict[str, float], n: int) -> float:
+    """:func:`wire_time` of the collectives ``plan`` issues: one with no bytes is not issued, so costs no latency.
+
+    (:func:`wire_time` charges ``alpha`` for every collective, byte-less ones included: DDP's
+    predictions keep that, which adds the same latency to every option of one algorithm.)
+    """
+    return sum(time_of(plan[k], n) for k, time_of in (("allreduce", link.allreduce), ("allgather", link.allgather),
+                                                       ("alltoall", link.alltoall)) if plan[k] > 0)
+
+
+def predict_reduce_scatter(
+    entries: Sequence[Entry], n: int, link: Link, costs: dict[str, DeviceCost], codecs: dict[str, Codec],
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, float]:
+    """Predicted seconds of one sharded reduce-scatter of ``n`` chunks shaped ``entries``, per option.
+
+    ``entries``: one chunk (one rank's shard of each parameter; ``compressed`` as the selection
+    rule says). ``dense``: torch's ring reduce-scatter (``reducescatter-dense``: ``(n-1)/n`` of the
+    input leaves the rank) plus one pass for the average. Every option in ``codecs`` (``bf16``, a
+    cast; ``compressed``, the codec) runs the ``reducescatter`` all_to_all of its frames
+    (:func:`compressed_plan`) and costs, with ``costs[option]``: an encode of the compressed
+    elements of the ``n-1`` chunks sent, their ``n-1`` decodes, a pass per element sent as it is,
+    and two passes over the shard (the accumulator and the copy out).
+    """
+    chunk = sum(e.numel for e in entries)
+    nc = sum(e.numel for e in entries if e.compressed)
+    dense_plan = compressed_plan(entries, NoneCodec(), "reducescatter-dense", n, dtype)
+    base = costs.get("dense") or next(iter(costs.values()))
+    out = {"dense": sharded_wire_time(link, dense_plan, n) + base.pass_s * chunk}
+    for option, codec in codecs.items():
+        c = costs[option]
+        plan = compressed_plan(entries, codec, "reducescatter", n, dtype)
+        work = (n - 1) * (nc * (c.encode_s + c.decode_s) + 2 * (chunk - nc) * c.pass_s) + 2 * c.pass_s * chunk
+        out[option] = sharded_wire_time(link, plan, n) + work
+    return out
+
+
+def predict_all_gather(
+    shard_numel: int, compressed_numel: int, n: int, link: Link, *, dense_bytes: int,
+    frames: dict[str, tuple[int, DeviceCost]], gathers: int = 2, reuse: tuple[str, ...] = (),
+) -> dict[str, float]:
+    """Predicted seconds of one sharded module's parameter all-gathers in one step, per option.
+
+    ``shard_numel`` elements per rank (``compressed_numel`` of them quantised), ``dense_bytes``
+    their bytes in the all-gather dtype; ``gathers``: all-gathers per step (2: forward and
+    backward, when the module is resharded after forward; 1 otherwise). ``dense``: ``gathers``
+    ring all-gathers of the shard. Each option of ``frames`` (``option -> (frame bytes, costs)``)
+    costs per gather a ring all-gather of its frame, an encode of the compressed elements, ``n``
+    decodes of them (every rank's shard) and ``n + 1`` passes over the exact ones; an option in
+    ``reuse`` all-gathers once and its backward only decodes the forward's kept frames.
+    """
+    out = {"dense": gathers * link.allgather(dense_bytes, n)}
+    exact = shard_numel - compressed_numel
+    for option, (nbytes, c) in frames.items():
+        decode = n * compressed_numel * c.decode_s + (n + 1) * exact * c.pass_s
+        one = link.allgather(nbytes, n) + compressed_numel * c.encode_s + decode
+        out[option] = one + (gathers - 1) * (decode if option in reuse else one)
+    return out
 
 
 # ----- calibration -------------------------------------------------------------------------------
@@ -353,6 +477,7 @@ def calibrate_device(
     numel: int = CALIBRATION_NUMEL,
     group: Any = None,
     reps: int = 3,
+    over_ranks: bool = True,
 ) -> DeviceCost:
     """Time the codec's encode (through error feedback when ``feedback``) and decode on ``device``.
 
@@ -361,7 +486,9 @@ def calibrate_device(
     finiteness check and a copy into the gradient).
 
     Runs on every rank of ``group`` and takes the maximum over ranks (a collective when the
-    process group is initialised), so every rank has the same numbers. Gaussian input, seed 0.
+    process group is initialised), so every rank has the same numbers; ``over_ranks=False``
+    returns this rank's own numbers without a collective (:func:`calibrate_codecs` reduces
+    several at once). Gaussian input, seed 0.
     """
     side = max(1, math.isqrt(numel))
     gen = torch.Generator().manual_seed(0)
@@ -397,12 +524,48 @@ def calibrate_device(
         # pass_t's copy instead measured 0.33 ns per element against this 0.53: caches)
         velocity, out = flat.clone(), torch.empty_like(flat)
         momentum_t = _median_time(lambda: (all_finite(flat), out.copy_(velocity)), reps)
-    values = _max_over_ranks([enc / m, dec / m, pass_t / m, cast_t / m, mask_t / m, momentum_t / m], group, device)
+    values = [enc / m, dec / m, pass_t / m, cast_t / m, mask_t / m, momentum_t / m]
+    if over_ranks:
+        values = _max_over_ranks(values, group, device)
     return DeviceCost(*values)
 
 
+def calibrate_codecs(
+    codecs: dict[str, Codec], *, group: Any = None, device: torch.device | str = "cpu",
+    numel: int = CALIBRATION_NUMEL, reps: int = 3, failed: str = "",
+) -> tuple[dict[str, DeviceCost] | None, str]:
+    """Every codec's :class:`DeviceCost` (no error feedback), the same on every rank, or None and why.
+
+    Each rank times every codec on its own (:func:`calibrate_device` with ``over_ranks=False``);
+    a rank whose measurement raises or is not finite marks itself failed instead of raising, and
+    one all-reduce (MAX) of every number and the failure flags follows on every rank alike, so a
+    calibration that failed anywhere returns None everywhere (with the reason on the rank that
+    failed, "a peer" on the others) and the ranks stay in step. ``failed``: a reason this rank
+    already knows it cannot go on (an earlier part of the caller's calibration failed). A
+    collective of ``group``.
+    """
+    names = sorted(codecs)
+    values: list[float] = []
+    why = failed  # a reason the caller already has: measure nothing, raise the flag
+    try:
+        for name in names if not failed else ():
+            values += list(asdict(calibrate_device(codecs[name], feedback=False, device=device, numel=numel,
+                                                   reps=reps, over_ranks=False)).values())
+    except Exception as exc:  # noqa: BLE001 - any failure must reach the all-reduce, not skip it
+        why = f"{type(exc).__name__}: {exc}"
+    width = len(dataclasses.fields(DeviceCost))
+    if why or len(values) != width * len(names) or not all(math.isfinite(v) and v >= 0 for v in values):
+        why = why or "a measurement was not a finite number"
+        values = [0.0] * (width * len(names))
+    reduced = _max_over_ranks([*values, 1.0 if why else 0.0], group, device)
+    if reduced[-1]:
+        return None, why or "calibration failed on a peer rank"
+    return {name: DeviceCost(*reduced[i * width : (i + 1) * width]) for i, name in enumerate(names)}, ""
+
+
 __all__ = [
-    "CALIBRATION_BYTES", "CALIBRATION_NUMEL", "OPTIONS", "DeviceCost", "Entry", "Link", "best",
-    "calibrate_cast", "calibrate_compressed", "calibrate_device", "calibrate_link", "compressed_plan", "fit_link",
-    "path_factor", "predict", "wire_time",
+    "CALIBRATION_BYTES", "CALIBRATION_NUMEL", "OPTIONS", "SHARDED_OPTIONS", "DeviceCost", "Entry", "Link", "best",
+    "calibrate_cast", "calibrate_codecs", "calibrate_compressed", "calibrate_device", "calibrate_link", "check_link",
+    "compressed_plan", "fit_link", "path_factor", "predict", "path_overhead", "predict_all_gather",
+    "predict_reduce_scatter", "sharded_wire_time", "time_over_ranks", "wire_time",
 ]

@@ -8,7 +8,9 @@ and decodes and sums its own shard (:mod:`commpress.comm.reducescatter`). ``"non
 own reduce-scatter, bit for bit. The parameter all-gathers (forward and backward) stay FSDP's
 unless ``param_codec=`` is given: ``register(model, "none", param_codec="int8")`` gathers
 block-scaled int8 parameters instead, a quarter of the float32 bytes
-(:mod:`commpress.fsdp.allgather`; the sharded parameters stay exact).
+(:mod:`commpress.fsdp.allgather`; the sharded parameters stay exact). ``register(model, "auto")``
+chooses per module, for each of the two collectives, exact, bf16 or compressed from the cost
+model (:mod:`commpress.fsdp.auto`), so a fast link keeps FSDP's own collectives.
 
 Example::
 
@@ -30,12 +32,13 @@ import torch
 
 from ..codecs import Codec
 from .allgather import AllGatherPlan, CompressedAllGather, ParamAllGather
+from .auto import FSDPAuto, ModuleChoice
 from .dcp import DCPState
 from .state import CompressedReduceScatter, FSDPCompressionState, ModulePlan, ShardPlan
 
 __all__ = [
-    "AllGatherPlan", "CompressedAllGather", "CompressedReduceScatter", "DCPState", "FSDPCompressionState", "ModulePlan",
-    "ParamAllGather", "ShardPlan", "register",
+    "AllGatherPlan", "CompressedAllGather", "CompressedReduceScatter", "DCPState", "FSDPAuto", "FSDPCompressionState",
+    "ModuleChoice", "ModulePlan", "ParamAllGather", "ShardPlan", "register",
 ]
 
 
@@ -44,7 +47,8 @@ def register(model: torch.nn.Module, codec: str | Codec, **options: Any) -> FSDP
 
     ``options`` are those of :class:`FSDPCompressionState` (``optimizer=``, ``warmup_steps=``,
     ``divergence_guard=``, ``residual_dtype=`` as on DDP's ``register``; ``param_codec=``
-    compresses the parameter all-gather) plus, when ``codec`` is a name, the codec's parameters.
+    compresses the parameter all-gather) plus, when ``codec`` is a name, the codec's parameters;
+    ``codec="auto"`` takes ``auto_link=`` and ``auto_calibration_numel=`` instead (:mod:`.auto`).
     Call it on every rank, after ``fully_shard`` and before the first backward pass.
     """
     return FSDPCompressionState(model, codec, **options)

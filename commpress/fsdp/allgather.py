@@ -65,7 +65,7 @@ from ..dtypes import FLOAT_DTYPES
 from ..errors import CodecError, ConfigurationError, NonFiniteError
 from ..wire.frame import FrameLayout
 
-__all__ = ["AllGatherPlan", "CompressedAllGather", "ParamAllGather", "resolve_param_codec"]
+__all__ = ["AllGatherPlan", "CompressedAllGather", "ParamAllGather", "frame_layout", "resolve_param_codec"]
 
 #: The two directions FSDP all-gathers parameters for.
 DIRECTIONS = ("forward", "backward")
@@ -144,11 +144,29 @@ class AllGatherPlan:
     #: with ``"backward": "reuse"``: the forward's validated packets of every rank (views into
     #: its receive buffer) and their byte count, until the backward decodes them
     kept: tuple[FrameLayout, list[list[Any]], int] | None = None
+    #: this module's own codecs and reuse (``codec="auto"`` chooses per module); None: the owner's
+    codecs: dict[str, Codec] | None = None
+    reuse: bool | None = None
 
     @property
     def shard_numel(self) -> int:
         """Elements of one rank's flat shard (padded)."""
         return sum(self.numels)
+
+
+def frame_layout(plan: AllGatherPlan, codec: Codec, dtype: torch.dtype) -> FrameLayout:
+    """One rank's all-gather frame: a packet per quantised parameter, then one for the exact ones.
+
+    The exact parameters (biases, norms: many small tensors) travel as one ``none`` packet, so a
+    block's frame has a handful of packets instead of one per tensor (each costs a header
+    written, parsed and checked per rank). Its ``nbytes`` is what a rank hands the all-gather.
+    """
+    entries: list[tuple[Any, Codec, int]] = [(n, codec, k) for n, k, c in zip(plan.names, plan.numels, plan.compressed)
+                                             if c]
+    exact = sum(k for k, c in zip(plan.numels, plan.compressed) if not c)
+    if exact:
+        entries.append(("exact parameters", codecs.get("none"), exact))
+    return FrameLayout(entries, dtype, flags=False, what="all-gather frame", entry="parameter")
 
 
 class CompressedAllGather:
@@ -172,7 +190,7 @@ class CompressedAllGather:
         return self.owner.gather(self.plan, output_tensor, input_tensor, group)
 
     def __repr__(self) -> str:
-        return f"CompressedAllGather({self.plan.name!r}, {self.owner.codecs!r})"
+        return f"CompressedAllGather({self.plan.name!r}, {self.owner.codecs_of(self.plan)[0]!r})"
 
 
 class ParamAllGather:
@@ -226,7 +244,7 @@ class ParamAllGather:
         for label, module in ((n or "<root>", m) for n, m in model.named_modules() if isinstance(m, FSDPModule)):
             if label in self.plans:
                 module.set_custom_all_gather(CompressedAllGather(self, self.plans[label]))  # type: ignore[arg-type]
-        if self.reuse:
+        if self.reuse or any(p.reuse for p in self.plans.values()):
             # before FSDP's own pre-forward (prepend): FSDP all-gathers under no_grad, so whether a
             # backward will follow is only visible at the root's entry
             model.register_forward_pre_hook(self._before_forward, prepend=True)
@@ -236,7 +254,10 @@ class ParamAllGather:
 
     def config(self) -> dict[str, Any]:
         """What all ranks must agree on (plain types)."""
-        return {**{d: c.config() for d, c in self.codecs.items()}, **({"reuse": True} if self.reuse else {})}
+        own = {label: [{d: c.config() for d, c in p.codecs.items()}, bool(p.reuse)]
+               for label, p in self.plans.items() if p.codecs is not None}
+        return {**{d: c.config() for d, c in self.codecs.items()}, **({"reuse": True} if self.reuse else {}),
+                **({"modules": own} if own else {})}
 
     # ----- the all-gather ---------------------------------------------------------------------
     @staticmethod
@@ -244,24 +265,23 @@ class ParamAllGather:
         """``"backward"`` inside the autograd engine (FSDP's pre-backward all-gather), else ``"forward"``."""
         return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
 
-    def _layout(self, plan: AllGatherPlan, direction: str, dtype: torch.dtype) -> FrameLayout:
-        """The frame: one packet per quantised parameter, then one for all the exact ones together.
+    def codecs_of(self, plan: AllGatherPlan) -> tuple[dict[str, Codec], bool]:
+        """The codecs by direction and the reuse flag of ``plan``'s module (its own, else the model's)."""
+        return (plan.codecs or self.codecs), (self.reuse if plan.reuse is None else plan.reuse)
 
-        The exact parameters (biases, norms: many small tensors) travel as one ``none`` packet,
-        so a block's frame has a handful of packets instead of one per tensor (each costs a
-        header written, parsed and checked per rank).
-        """
+    def set_module(self, label: str, codecs_by_direction: dict[str, Codec], reuse: bool) -> None:
+        """Give the module ``label`` its own codecs (between steps: its cached frames and kept packets go)."""
+        plan = self.plans[label]
+        if plan.kept is not None:
+            self._kept_bytes -= plan.kept[2]
+        plan.codecs, plan.reuse, plan.layouts, plan.kept = dict(codecs_by_direction), reuse, {}, None
+
+    def _layout(self, plan: AllGatherPlan, direction: str, dtype: torch.dtype) -> FrameLayout:
+        """The frame of ``plan``'s direction (:func:`frame_layout`), cached per direction and dtype."""
         key = (direction, dtype)
         layout = plan.layouts.get(key)
         if layout is None:
-            codec = self.codecs[direction]
-            entries: list[tuple[Any, Codec, int]] = [
-                (n, codec, k) for n, k, c in zip(plan.names, plan.numels, plan.compressed) if c]
-            exact = sum(k for k, c in zip(plan.numels, plan.compressed) if not c)
-            if exact:
-                entries.append(("exact parameters", codecs.get("none"), exact))
-            layout = plan.layouts[key] = FrameLayout(entries, dtype, flags=False, what="all-gather frame",
-                                                     entry="parameter")
+            layout = plan.layouts[key] = frame_layout(plan, self.codecs_of(plan)[0][direction], dtype)
         return layout
 
     @staticmethod
@@ -302,7 +322,8 @@ class ParamAllGather:
         """One module's all-gather (called by FSDP through :class:`CompressedAllGather`)."""
         n = dist.get_world_size(group)
         direction = self.direction()
-        codec = self.codecs[direction]
+        by_direction, reuse = self.codecs_of(plan)
+        codec = by_direction[direction]
         dense_bytes = input.numel() * input.element_size()
         where = f"module {plan.name!r}, {direction} all-gather {plan.calls[direction]}"
         if isinstance(codec, NoneCodec):  # FSDP's own collective, as DefaultAllGather issues it
@@ -316,7 +337,7 @@ class ParamAllGather:
         kept, plan.kept = plan.kept, None  # a forward replaces it; a backward uses it once
         if kept is not None:
             self._kept_bytes -= kept[2]
-        layout = self._layout(plan, "forward" if self.reuse else direction, input.dtype)  # reuse: one codec
+        layout = self._layout(plan, "forward" if reuse else direction, input.dtype)  # reuse: one codec
         if direction == "backward" and kept is not None and kept[0] is layout:
             t0 = time.perf_counter()  # the forward's frames, validated when they arrived: no collective
             with self.faults.guarded(where):
@@ -353,7 +374,7 @@ class ParamAllGather:
                    for j in range(n)]
             self._decode(layout, plan, got, output)
             t3 = time.perf_counter()
-        if self.reuse and direction == "forward" and self._training and plan.param_group._reshard_after_forward:
+        if reuse and direction == "forward" and self._training and plan.param_group._reshard_after_forward:
             plan.kept = (layout, got, recv.numel())
             self._kept_bytes += recv.numel()
             with self._lock:

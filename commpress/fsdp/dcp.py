@@ -17,7 +17,7 @@ reads exactly what it wrote.
 **DCP loads tensors in place**: before the read, each rank's :meth:`DCPState.state_dict` must
 hold every key with its saved shape. So the form has one layout per configuration, whatever
 the training has reached: every residual and velocity this rank *can* keep (zeros where it
-keeps none yet) with a ``*_present`` mask, the call counts as one int64 tensor (module order),
+keeps none yet) with a ``*_present`` mask, the call counts (and, with ``codec="auto"``, the choices) as one int64 tensor each (module order),
 and the header (format, codec, options, rank, world size, seed, step, guard) as JSON in a
 fixed :data:`HEADER_NBYTES` uint8 tensor, so another configuration's header still loads and
 :meth:`FSDPCompressionState.load_state_dict` can say what differs. Everything is a tensor:
@@ -139,6 +139,8 @@ class DCPState:
         if velocity_layout:
             out["velocity"] = {k: _stored(saved_velocity.get(k), (n,), torch.float32) for k, n in velocity_layout.items()}
             out["velocity_present"] = torch.tensor([k in saved_velocity for k in velocity_layout], dtype=torch.uint8)
+        if "auto" in plain:  # codec="auto": one int64 per module (commpress.fsdp.auto.FSDPAuto.state)
+            out["auto"] = torch.tensor(plain["auto"], dtype=torch.int64)
         return {self.key: out}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -160,6 +162,11 @@ class DCPState:
         if self.state.residual_kind in ("int8", "int4"):
             plain["residual_scales"] = _present(mine, "residual_scales", residual_layout, "residual_present")
         plain["velocity"] = _present(mine, "velocity", velocity_layout, "velocity_present")
+        if "auto" in mine:
+            auto = mine["auto"]
+            if not isinstance(auto, torch.Tensor) or auto.dtype != torch.int64 or auto.shape != (len(self.state.modules),):
+                raise ValueError(f"commpress DCP auto must be an int64 tensor of {len(self.state.modules)} modules")
+            plain["auto"] = [int(c) for c in auto.tolist()]
         self.state.load_state_dict(plain)
 
     def __repr__(self) -> str:

@@ -66,11 +66,12 @@ from .. import checkpoint, codecs, comm
 from .. import options as opts
 from ..checks import check_loaded_tensor
 from ..codecs import Codec, NoneCodec
+from ..codecs.base import all_finite
 from ..comm import CommStats, Slot, piece_key, resolve_codec
 from ..comm.agreement import check_same_config
 from ..comm.faults import FaultChannel
 from ..errors import CodecError, ConfigurationError
-from ..feedback import ErrorFeedback, check_state_header
+from ..feedback import ErrorFeedback, check_state_header, residual_dtype
 from ..optim import (
     DISCOVER,
     DivergenceGuard,
@@ -87,7 +88,8 @@ from ..rng import derive_seed
 from ..selection import DEFAULT_MIN_NUMEL, CompressFilter, SelectionRule
 from ..statslog import PREFIX, ScalarWriter, StatsLogger
 from . import residuals as rstore
-from .allgather import ParamAllGather, resolve_param_codec
+from .allgather import REUSE, ParamAllGather, resolve_param_codec
+from .auto import AUTO_OPTIONS, FSDPAuto, is_auto
 from .dcp import DCPState
 
 logger = logging.getLogger("commpress")
@@ -123,6 +125,8 @@ class ModulePlan:
     params: list[ShardPlan]
     world_size: int
     calls: int = 0
+    #: this module's own reduce-scatter codec (``codec="auto"`` chooses per module); None: the state's
+    codec: Codec | None = None
 
     @property
     def chunk_numel(self) -> int:
@@ -166,7 +170,12 @@ class FSDPCompressionState(checkpoint.StateFile):
     Args:
         model: the root module after ``fully_shard`` (it, or modules inside it, are
             ``FSDPModule`` s); every FSDP module inside gets a :class:`CompressedReduceScatter`.
-        codec: a codec name or a :class:`commpress.codecs.Codec` (fixed-size).
+        codec: a codec name or a :class:`commpress.codecs.Codec` (fixed-size); ``"auto"`` chooses
+            per FSDP module, for its reduce-scatter and its parameter all-gather, exact, bf16 or the
+            recommended setting's codecs (2-bit QSGD; int8 forward, backward reusing its frames)
+            from a calibrated cost model (:mod:`commpress.fsdp.auto`; options ``auto_link=`` a
+            :class:`~commpress.comm.costmodel.Link` instead of timing the link,
+            ``auto_calibration_numel=``; no ``param_codec=``, codec parameters or error feedback).
         error_feedback: keep residuals of what compression dropped; ``None`` (default): on for
             the biased codecs (topk, sign, unscaled randomk), off for the unbiased ones (qsgd,
             scaled randomk) and never for none/fp16/bf16.
@@ -223,7 +232,7 @@ class FSDPCompressionState(checkpoint.StateFile):
         "codec", "error_feedback", "residual_dtype", "residual_kind", "seed", "world_size", "rank", "modules",
         "feedback", "_low", "_stats", "_rule", "_group", "faults", "step", "warmup", "guard", "correction",
         "optimizer", "discovery", "adam", "handover", "_placement", "_params", "_measured", "allgather",
-        "_stats_log",
+        "_stats_log", "auto", "_first_gradients", "keeping_first_gradients",
     )
 
     def __init__(
@@ -246,6 +255,15 @@ class FSDPCompressionState(checkpoint.StateFile):
         param_codec: Any = None,
         **codec_params: Any,
     ) -> None:
+        self.auto: FSDPAuto | None = None
+        if is_auto(codec):
+            self.auto = FSDPAuto.from_options(codec_params, param_codec=param_codec, error_feedback=error_feedback,
+                                              warmup_codec=warmup_codec, warmup_steps=warmup_steps)
+            codec, codec_params = self.auto.grad_codec, {}
+            param_codec = {"forward": self.auto.param_codec, "backward": REUSE}
+        elif any(k in AUTO_OPTIONS for k in codec_params):
+            raise CodecError(f"{', '.join(sorted(k for k in codec_params if k in AUTO_OPTIONS))} are options of "
+                             f"codec='auto', not of {codec!r}")
         self.codec = resolve_codec(codec, codec_params, "the all_to_all")
         param_codecs = resolve_param_codec(param_codec)
         error_feedback = opts.error_feedback_default(error_feedback, self.codec)
@@ -302,16 +320,26 @@ class FSDPCompressionState(checkpoint.StateFile):
         self._params = {n: p for n, p in model.named_parameters()}
         self._placement: dict[str, str] = {}  # name -> "shard" | "gain" | "local" (see the module docstring)
         self.discovery: OptimizerDiscovery | None = None
+        #: each compressed parameter's local gradient chunks of the step before an optimizer is discovered
+        self._first_gradients: dict[str, tuple[str, torch.Tensor]] = {}
+        #: the reduce-scatter keeps them only while this is True (off the hot path after adoption)
+        self.keeping_first_gradients = False
         if discover and self.uses_feedback:
             # no optimizer= given: adopt the one that steps these parameters, after its first step
             planned = self._shard_plans()
-            self.discovery = OptimizerDiscovery([self._params[n] for n in planned], self._adopt_optimizer,
+            self.discovery = OptimizerDiscovery([self._params[n] for n in planned], self._discovered,
                                                 "commpress.fsdp.register")
+            self.keeping_first_gradients = True
         elif not discover:
             assert not isinstance(optimizer, str)
             self._adopt_optimizer(optimizer)
         if verify:
             self._verify_ranks(opts.check_timeout(verify_timeout))
+        if self.auto is not None:  # every rank calibrates together (after the check: ranks agree to)
+            self.auto.choose(self, model)
+            self._apply_auto()
+            if verify:  # the choices too: computed from all-reduced numbers, so equal unless something is wrong
+                self._verify_ranks(opts.check_timeout(verify_timeout))
         modules = {n or "<root>": m for n, m in model.named_modules() if isinstance(m, FSDPModule)}
         for plan in self.modules:  # a module without parameters of its own has no plan
             modules[plan.name].set_custom_reduce_scatter(CompressedReduceScatter(self, plan))  # type: ignore[arg-type]
@@ -396,6 +424,7 @@ class FSDPCompressionState(checkpoint.StateFile):
             "modules": [[m.name, [[p.name, list(p.shape), p.chunk_numel, p.compressed] for p in m.params]]
                         for m in self.modules],
             **({} if self.allgather is None else {"param_codec": self.allgather.config()}),
+            **({} if self.auto is None else {"auto": self.auto.config()}),
         }
 
     def _verify_ranks(self, timeout_s: float) -> None:
@@ -404,7 +433,52 @@ class FSDPCompressionState(checkpoint.StateFile):
         check_same_config(self.config(), summary=summary, group=self._group, timeout_s=timeout_s,
                           what="commpress.fsdp.register")
 
+    def _apply_auto(self) -> None:
+        """Give every module the codecs of its ``codec="auto"`` choice (reduce-scatter and all-gather)."""
+        assert self.auto is not None
+        for m in self.modules:
+            m.codec = self.auto.reduce_codec(m.name)
+        if self.allgather is not None:
+            for label in self.allgather.plans:
+                self.allgather.set_module(label, *self.auto.gather_codecs(label))
+
+    def auto_report(self) -> list[dict[str, Any]]:
+        """``codec="auto"``'s choice per FSDP module with every option's predicted seconds ([] otherwise)."""
+        return [] if self.auto is None else self.auto.report()
+
     # ----- the user's optimizer ----------------------------------------------------------------
+    def _keep_first_gradients(self, plan: ModulePlan, flat: torch.Tensor) -> None:
+        """While an optimizer is still to be discovered: keep this module's local gradient chunks (one step).
+
+        Passed as ``optimizer=``, a ``"local"`` velocity (top-k, sign) starts from each rank's own
+        gradient chunks; the discovered optimizer's momentum buffer after that step is the
+        *reduced, compressed* shard. Starting those velocities from the kept chunks instead makes
+        a discovered run the same run as one with ``optimizer=``, bit for bit (as on DDP). Costs one
+        copy of the compressed parameters' full local gradient for one step.
+        """
+        if self.discovery is None or not self.discovery.pending or self.correction.rules:
+            # adopted, refused (a subset optimizer), or resumed: a checkpoint's rules and velocities
+            # already run in the reduce-scatter, and they go on as they were saved
+            self._first_gradients.clear()
+            self.keeping_first_gradients = False
+            return
+        for j in range(plan.world_size):
+            base = j * plan.chunk_numel
+            for p in plan.params:
+                if p.compressed:
+                    view = flat[base + p.offset : base + p.offset + p.chunk_numel]
+                    self._first_gradients[piece_key(p.name, j)] = (p.name, view.to(residual_dtype(view.dtype), copy=True))
+
+    def _discovered(self, optimizer: torch.optim.Optimizer) -> None:
+        """Adopt the optimizer found after its first step; local velocities start from the kept gradients."""
+        self._adopt_optimizer(optimizer)
+        if self.handover is not None and self.adam is None:
+            for key, (name, g) in self._first_gradients.items():
+                if self._placement.get(name) == "local" and name in self.correction.rules and all_finite(g):
+                    self.correction.velocity[key] = g
+        self._first_gradients = {}
+        self.keeping_first_gradients = False
+
     def _shard_plans(self) -> dict[str, ShardPlan]:
         return {p.name: p for m in self.modules for p in m.params}
 
@@ -551,7 +625,8 @@ class FSDPCompressionState(checkpoint.StateFile):
         n = dist.get_world_size(group)
         if n != plan.world_size:
             raise ConfigurationError(f"module {plan.name!r}: reduce-scatter over {n} ranks, planned for {plan.world_size}")
-        dense = isinstance(self.codec, NoneCodec)
+        codec = plan.codec or self.codec
+        dense = isinstance(codec, NoneCodec)
         if dense:  # FSDP's own reduce-scatter, through the driver (its accounting)
             slots = self._dense_slots(plan, output.numel(), n)
         elif input.numel() != n * plan.chunk_numel:
@@ -563,6 +638,8 @@ class FSDPCompressionState(checkpoint.StateFile):
         else:
             slots = self._slots(plan, n)
         flat_in, flat_out = input.view(-1), output.view(-1)
+        if self.keeping_first_gradients:  # no optimizer= yet: its first step's local gradients start the velocities
+            self._keep_first_gradients(plan, flat_in)
         working_set = self.feedback is not None and self.residual_kind != "float32"
         # a failure here is every rank's error; a rank waiting on a failed peer raises, never hangs
         with self.faults.guarded(f"module {plan.name!r}, reduce-scatter {plan.calls}"):
@@ -600,7 +677,7 @@ class FSDPCompressionState(checkpoint.StateFile):
     def _slots(self, plan: ModulePlan, n: int, warm: Codec | None = None) -> list[Slot]:
         """The chunks' slots: the compressed parameters through the codec (``warm``: the warm-up's, no residuals)."""
         dense = codecs.get("none")
-        codec = self.codec if warm is None else warm
+        codec = (plan.codec or self.codec) if warm is None else warm
         slots = []
         off = 0
         for j in range(n):
@@ -684,6 +761,8 @@ class FSDPCompressionState(checkpoint.StateFile):
             s.update(self.handover.stats())
         if self.allgather is not None:  # the parameter all-gather's counters (commpress.fsdp.allgather)
             s.update(self.allgather.stats())
+        if self.auto is not None:  # codec="auto": each module's choice and predictions (commpress.fsdp.auto)
+            s.update(self.auto.stats())
         return s
 
     def log_to(
@@ -737,6 +816,7 @@ class FSDPCompressionState(checkpoint.StateFile):
             "velocity": (self.handover.velocities() if self.handover is not None
                          else {k: v.detach().clone() for k, v in self.correction.velocity.items()}),
             "guard": self.guard.state(),
+            **({} if self.auto is None else {"auto": self.auto.state([m.name for m in self.modules])}),
         }
 
     def dcp(self) -> DCPState:
@@ -802,6 +882,15 @@ class FSDPCompressionState(checkpoint.StateFile):
                 "adopted), but this state has not adopted one yet (no optimizer= given: it is found after "
                 "its first step): register with optimizer=<your optimizer> to resume from it"
             )
+        chosen = None
+        if self.auto is not None:
+            if "auto" not in state:
+                raise ValueError("codec mismatch: the checkpoint was not written by codec='auto' (it holds no per-module "
+                                 "choices); register with the codec it was written with")
+            chosen = self.auto.load(state["auto"], [m.name for m in self.modules])
+        elif "auto" in state:
+            raise ValueError("codec mismatch: the checkpoint was written by codec='auto'; register with codec='auto' "
+                             "to resume it")
         velocity = MomentumCorrection.load_velocities(dict(state.get("velocity") or {}), self._velocity_numels())
         guard = dataclasses.replace(self.guard)
         if "guard" in state:
@@ -820,6 +909,9 @@ class FSDPCompressionState(checkpoint.StateFile):
         if self.handover is not None:
             self.handover.take(keep_velocity=True)
         self.correction.velocity = velocity
+        if self.auto is not None and chosen is not None:  # the saved choices, whatever this run's calibration said
+            self.auto.choices, self.auto.loaded = chosen, True
+            self._apply_auto()
 
     def __repr__(self) -> str:
         return (
