@@ -172,19 +172,35 @@ def worker_auto(rank: int, world: int, ckpt: str) -> None:
 
 
 def worker_discovery_first_step(rank: int, world: int) -> None:
-    """Registered without ``optimizer=``, top-k and sign with the user's SGD momentum run bit for bit the run
-    registered with ``optimizer=``: the local velocities start from the first step's local gradients."""
-    for codec, params in (("topk", {"ratio": 0.1}), ("sign", {})):
+    """Registered without ``optimizer=``, top-k and sign with the user's SGD momentum (and AdamW, whose
+    warm-up must cover step 0) run bit for bit the run registered with ``optimizer=``: an optimizer
+    built before the first backward is found at the first reduce-scatter; one built after it is
+    adopted after its first step, the local velocities started from that step's local gradients."""
+    adamw = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3)  # noqa: E731
+    for codec, params, make_opt, when, steps in (
+        ("topk", {"ratio": 0.1}, _sgd, "after its step", 5), ("sign", {}, _sgd, "after its step", 5),
+        ("topk", {"ratio": 0.1}, _sgd, "first reduce-scatter", 5),
+        ("sign", {}, adamw, "first reduce-scatter", 53),
+    ):
         passed, found = make_fsdp(), make_fsdp()
-        passed_opt, found_opt = _sgd(passed), _sgd(found)
+        passed_opt = make_opt(passed)
+        found_opt = make_opt(found) if when == "first reduce-scatter" else None
         commpress.fsdp.register(passed, codec, optimizer=passed_opt, **params)
         state = commpress.fsdp.register(found, codec, **params)
         assert_all_ranks(state.keeping_first_gradients and state.discovery is not None, "not keeping first gradients")
-        for step in range(5):
-            a, b = _step(passed, passed_opt, rank, step), _step(found, found_opt, rank, step)
-            assert_all_ranks(a == b, f"{codec} step {step}: loss {b} != {a} (optimizer= passed)")
+        for step in range(steps):
+            if found_opt is None:  # built after the first backward: nothing to find at the first reduce-scatter
+                x, y = batch(rank, step)
+                F.cross_entropy(found(x), y).backward()
+                assert_all_ranks(state.optimizer is None, f"{codec}: adopted before an optimizer existed")
+                found_opt = make_opt(found)
+                found_opt.step()
+                a, b = _step(passed, passed_opt, rank, step), 0.0
+            else:
+                a, b = _step(passed, passed_opt, rank, step), _step(found, found_opt, rank, step)
+                assert_all_ranks(a == b, f"{codec} step {step}: loss {b} != {a} (optimizer= passed)")
             if step == 0:
                 assert_all_ranks(state.optimizer is found_opt and not state.keeping_first_gradients
                                  and not state._first_gradients, f"{codec}: not adopted, or gradients still kept")
         assert_all_ranks(torch.equal(full_params(passed), full_params(found)),
-                         f"{codec}: discovered run differs from the run with optimizer=")
+                         f"{codec}, {when}: discovered run differs from the run with optimizer=")

@@ -183,7 +183,7 @@ class FSDPCompressionState(checkpoint.StateFile):
             ``"int8"`` / ``"int4"`` (blockwise, stochastic rounding) or ``"auto"``: the widest that
             keeps the residuals within one gradient shard at this world size (:mod:`.residuals`).
         optimizer: the user's optimizer; ``"auto"`` (default) adopts the one that steps every
-            compressed parameter, after its first step, where error feedback needs it
+            compressed parameter (found at the first reduce-scatter, else after its first step), where error feedback needs it
             (:mod:`commpress.optim.discovery`, as on DDP), ``None`` opts out. An SGD-like one's
             momentum moves into the reduce-scatter (the optimizer then runs without momentum;
             ``optimizer.state_dict()`` keeps the settings), Adam/AdamW gets 1-bit Adam's
@@ -232,7 +232,7 @@ class FSDPCompressionState(checkpoint.StateFile):
         "codec", "error_feedback", "residual_dtype", "residual_kind", "seed", "world_size", "rank", "modules",
         "feedback", "_low", "_stats", "_rule", "_group", "faults", "step", "warmup", "guard", "correction",
         "optimizer", "discovery", "adam", "handover", "_placement", "_params", "_measured", "allgather",
-        "_stats_log", "auto", "_first_gradients", "keeping_first_gradients",
+        "_stats_log", "auto", "_first_gradients", "keeping_first_gradients", "_find_timeout",
     )
 
     def __init__(
@@ -324,12 +324,15 @@ class FSDPCompressionState(checkpoint.StateFile):
         self._first_gradients: dict[str, tuple[str, torch.Tensor]] = {}
         #: the reduce-scatter keeps them only while this is True (off the hot path after adoption)
         self.keeping_first_gradients = False
+        #: set while discovery may still find the optimizer at the first reduce-scatter (then run once)
+        self._find_timeout: float | None = None
         if discover and self.uses_feedback:
             # no optimizer= given: adopt the one that steps these parameters, after its first step
             planned = self._shard_plans()
             self.discovery = OptimizerDiscovery([self._params[n] for n in planned], self._discovered,
                                                 "commpress.fsdp.register")
             self.keeping_first_gradients = True
+            self._find_timeout = opts.check_timeout(verify_timeout)
         elif not discover:
             assert not isinstance(optimizer, str)
             self._adopt_optimizer(optimizer)
@@ -468,6 +471,21 @@ class FSDPCompressionState(checkpoint.StateFile):
                 if p.compressed:
                     view = flat[base + p.offset : base + p.offset + p.chunk_numel]
                     self._first_gradients[piece_key(p.name, j)] = (p.name, view.to(residual_dtype(view.dtype), copy=True))
+
+    def _adopt_if_found(self, timeout_s: float) -> None:
+        """At a fresh run's first reduce-scatter: adopt the optimizer already built, as if passed (all ranks agree)."""
+        if self.step != 0 or self.correction.rules or self.discovery is None:
+            return  # resumed: the checkpoint's rules run, and the step hook adopts after this step
+        optimizer = self.discovery.find_existing()
+        found = type(optimizer).__name__ if optimizer is not None else None
+        # a rank adopting while another does not would send frames of other sizes
+        check_same_config({"optimizer_found_before_step_0": found}, summary=f"optimizer found: {found}",
+                          group=self._group, timeout_s=timeout_s,
+                          what="the first backward after commpress.fsdp.register")
+        if optimizer is not None:
+            self.keeping_first_gradients = False
+            self._first_gradients.clear()
+            self._adopt_optimizer(optimizer)
 
     def _discovered(self, optimizer: torch.optim.Optimizer) -> None:
         """Adopt the optimizer found after its first step; local velocities start from the kept gradients."""
@@ -621,6 +639,9 @@ class FSDPCompressionState(checkpoint.StateFile):
                 f"commpress reduce-scatter supports FSDP's AVG and SUM reductions, not {op!r} "
                 "(set_gradient_divide_factor makes FSDP pass a pre-multiplied sum)"
             )
+        if self._find_timeout is not None:  # the first reduce-scatter: adopt an optimizer already built
+            timeout_s, self._find_timeout = self._find_timeout, None
+            self._adopt_if_found(timeout_s)
         average = op == dist.ReduceOp.AVG
         n = dist.get_world_size(group)
         if n != plan.world_size:
