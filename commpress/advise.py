@@ -59,6 +59,7 @@ from .comm.costmodel import (
     best,
     calibrate_device,
     compressed_plan,
+    max_over_ranks,
     predict,
     wire_time,
 )
@@ -194,7 +195,7 @@ def workload_shape(kind: str, measure: bool = True, group: Any = None) -> ModelS
         named = gradient_order(model, step)  # DDP's buckets after its rebuild follow this order
         compute = time_compute(step) if measure else None
     if compute is not None and group is not None:
-        compute = _slowest(compute, group)
+        compute = max_over_ranks([compute], group)[0]
     nparams = sum(math.prod(s) for _, s in named)
     return ModelShape(f"{kind} ({nparams / 1e6:.2f}M parameters, {type(opt).__name__})",
                       ddp_buckets(named, work.bucket_cap_mb, ready_order=True), compute, optimizer_kind(opt))
@@ -397,15 +398,6 @@ def plot_speedup(shape: ModelShape, world: int, latency_s: float, costs: dict[st
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
-
-
-def _slowest(seconds: float, group: Any) -> float:
-    """The maximum of ``seconds`` over the ranks of ``group`` (a collective)."""
-    import torch.distributed as dist
-
-    t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return float(t[0])
 
 
 class _threads:

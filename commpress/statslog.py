@@ -149,4 +149,40 @@ class StatsLogger:
                 f"active={self.active}, writes={self.writes})")
 
 
-__all__ = ["PREFIX", "ScalarWriter", "StatsLogger", "flatten_stats"]
+
+class LogsStats:
+    """``log_to`` for a compression state: a mixin for classes with ``stats()``, ``rank`` and a ``_stats_log`` slot.
+
+    The DDP and FSDP states share it; each calls ``self._stats_log.after_step(step)`` (when set)
+    at the end of its step.
+    """
+
+    __slots__ = ()  # the slot itself is the subclass's (two bases with slots cannot be combined)
+    rank: int
+    stats: Callable[[], Mapping[str, Any]]
+    _stats_log: StatsLogger | None
+
+    def log_to(
+        self, writer: ScalarWriter, *, every: int = 50, prefix: str = PREFIX, all_ranks: bool = False
+    ) -> StatsLogger:
+        """Write :meth:`stats` to ``writer`` (a TensorBoard ``SummaryWriter``) every ``every`` steps.
+
+        The state writes them itself at the end of every ``every``-th step (DDP: after the last
+        bucket; FSDP: after the last module's reduce-scatter), with ``global_step`` the step count;
+        call it on every rank, only rank 0 writes unless ``all_ranks``. A later call replaces this logger.
+
+        Args:
+            writer: anything with ``add_scalar(tag, value, global_step)``.
+            every: write after steps ``every, 2 * every, ...``.
+            prefix: tags are ``<prefix>/<key>`` (``commpress/compression_ratio``, ...).
+            all_ranks: write on every rank (give each its own writer or prefix).
+
+        Returns:
+            The :class:`StatsLogger` (``.write(step)`` writes now, ``.stop()`` stops).
+        """
+        logger = StatsLogger(self.stats, writer, every=every, prefix=prefix, rank=self.rank, all_ranks=all_ranks)
+        self._stats_log = logger  # type: ignore[misc]  # a slot of the subclass
+        return logger
+
+
+__all__ = ["PREFIX", "LogsStats", "ScalarWriter", "StatsLogger", "flatten_stats"]

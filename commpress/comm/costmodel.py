@@ -220,7 +220,7 @@ def time_over_ranks(
     if why or not all(math.isfinite(t) for t in times):
         why = why or "a time was not a finite number"
         times = [0.0] * len(fns)
-    reduced = _max_over_ranks([*times, 1.0 if why else 0.0], group, device)
+    reduced = max_over_ranks([*times, 1.0 if why else 0.0], group, device)
     if reduced[-1]:
         return None, why or "timing failed on a peer rank"
     return reduced[:-1], ""
@@ -320,7 +320,8 @@ def _median_time(fn: Any, reps: int) -> float:
     return statistics.median(times)
 
 
-def _max_over_ranks(values: list[float], group: Any, device: torch.device | str) -> list[float]:
+def max_over_ranks(values: list[float], group: Any = None, device: torch.device | str = "cpu") -> list[float]:
+    """Each of ``values``' maximum over the ranks of ``group`` (one MAX all-reduce; a collective)."""
     t = torch.tensor(values, dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
@@ -372,7 +373,7 @@ def calibrate_link(
             if view.is_cuda:
                 torch.cuda.synchronize(view.device)
 
-        t = _max_over_ranks([_median_time(once, reps)], group, device)[0]
+        t = max_over_ranks([_median_time(once, reps)], group, device)[0]
         used.append(float(b))
         times.append(t)
         if t > CALIBRATION_STOP_S and len(used) >= 2:
@@ -400,7 +401,7 @@ def calibrate_cast(link: Link, group: Any = None, device: torch.device | str = "
         if buf.is_cuda:
             torch.cuda.synchronize(buf.device)
 
-    t = _max_over_ranks([_median_time(once, reps)], group, device)[0]
+    t = max_over_ranks([_median_time(once, reps)], group, device)[0]
     return max(t - link.allreduce(2 * numel, n), 0.0) / numel
 
 
@@ -442,7 +443,7 @@ def calibrate_compressed(
     # them all: the median of 3 once scaled sign's encode 10x (11.3 ns/element against 3.5-3.8
     # in the runs around it) and auto chose fp16 over it; the median of 5 needs 3 such runs,
     # and the least of 5 predicted compressed steps 10-16% short (it also drops real contention)
-    t = _max_over_ranks([_median_time(once, reps)], group, device)[0]
+    t = max_over_ranks([_median_time(once, reps)], group, device)[0]
     entries = [Entry(x.numel(), True)]
     plan = compressed_plan(entries, codec, algorithm, n, x.dtype)
     wire = wire_time(link, plan, n)
@@ -526,7 +527,7 @@ def calibrate_device(
         momentum_t = _median_time(lambda: (all_finite(flat), out.copy_(velocity)), reps)
     values = [enc / m, dec / m, pass_t / m, cast_t / m, mask_t / m, momentum_t / m]
     if over_ranks:
-        values = _max_over_ranks(values, group, device)
+        values = max_over_ranks(values, group, device)
     return DeviceCost(*values)
 
 
@@ -557,7 +558,7 @@ def calibrate_codecs(
     if why or len(values) != width * len(names) or not all(math.isfinite(v) and v >= 0 for v in values):
         why = why or "a measurement was not a finite number"
         values = [0.0] * (width * len(names))
-    reduced = _max_over_ranks([*values, 1.0 if why else 0.0], group, device)
+    reduced = max_over_ranks([*values, 1.0 if why else 0.0], group, device)
     if reduced[-1]:
         return None, why or "calibration failed on a peer rank"
     return {name: DeviceCost(*reduced[i * width : (i + 1) * width]) for i, name in enumerate(names)}, ""
@@ -566,6 +567,6 @@ def calibrate_codecs(
 __all__ = [
     "CALIBRATION_BYTES", "CALIBRATION_NUMEL", "OPTIONS", "SHARDED_OPTIONS", "DeviceCost", "Entry", "Link", "best",
     "calibrate_cast", "calibrate_codecs", "calibrate_compressed", "calibrate_device", "calibrate_link", "check_link",
-    "compressed_plan", "fit_link", "path_factor", "predict", "path_overhead", "predict_all_gather",
+    "compressed_plan", "fit_link", "max_over_ranks", "path_factor", "predict", "path_overhead", "predict_all_gather",
     "predict_reduce_scatter", "sharded_wire_time", "time_over_ranks", "wire_time",
 ]

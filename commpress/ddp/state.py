@@ -34,7 +34,7 @@ from ..optim import (
     optimizer_mode,
 )
 from ..rng import derive_seed
-from ..statslog import PREFIX, ScalarWriter, StatsLogger
+from ..statslog import LogsStats, StatsLogger
 from .auto import AutoInputs, AutoPolicy
 from .checkpointing import DDPCheckpoint
 from .planning import (
@@ -51,7 +51,7 @@ VERIFY_TIMEOUT_S = 60
 logger = logging.getLogger("commpress")
 
 
-class CompressionState(DDPCheckpoint):
+class CompressionState(DDPCheckpoint, LogsStats):
     """State of the commpress DDP communication hook (one per DDP model and rank).
 
     Args:
@@ -519,28 +519,6 @@ class CompressionState(DDPCheckpoint):
         self.step += 1
         if self._stats_log is not None:
             self._stats_log.after_step(self.step)
-
-    def log_to(
-        self, writer: ScalarWriter, *, every: int = 50, prefix: str = PREFIX, all_ranks: bool = False
-    ) -> StatsLogger:
-        """Write :meth:`stats` to ``writer`` (a TensorBoard ``SummaryWriter``) every ``every`` steps.
-
-        The hook writes them itself after every ``every``-th step's last bucket, with
-        ``global_step`` the step count (:mod:`commpress.statslog`); call it on every rank, only
-        rank 0 writes unless ``all_ranks``. A later call replaces this logger.
-
-        Args:
-            writer: anything with ``add_scalar(tag, value, global_step)``.
-            every: write after steps ``every, 2 * every, ...``.
-            prefix: tags are ``<prefix>/<key>`` (``commpress/compression_ratio``, ...).
-            all_ranks: write on every rank (give each its own writer or prefix).
-
-        Returns:
-            The :class:`~commpress.statslog.StatsLogger` (``.write(step)`` writes now, ``.stop()`` stops).
-        """
-        self._stats_log = StatsLogger(self.stats, writer, every=every, prefix=prefix, rank=self.rank,
-                                      all_ranks=all_ranks)
-        return self._stats_log
 
     def reset_stats(self) -> None:
         """Zero the counters (the step count is state, it is kept; per-step figures count from here)."""

@@ -86,7 +86,7 @@ from ..optim import (
 )
 from ..rng import derive_seed
 from ..selection import DEFAULT_MIN_NUMEL, CompressFilter, SelectionRule
-from ..statslog import PREFIX, ScalarWriter, StatsLogger
+from ..statslog import LogsStats, StatsLogger
 from . import residuals as rstore
 from .allgather import REUSE, ParamAllGather, resolve_param_codec
 from .auto import AUTO_OPTIONS, FSDPAuto, is_auto
@@ -164,7 +164,7 @@ class CompressedReduceScatter:
         return f"CompressedReduceScatter({self.plan.name!r}, {self.state.codec!r})"
 
 
-class FSDPCompressionState(checkpoint.StateFile):
+class FSDPCompressionState(checkpoint.StateFile, LogsStats):
     """State of commpress's reduce-scatter on an FSDP2 model (one per model and rank).
 
     Args:
@@ -785,28 +785,6 @@ class FSDPCompressionState(checkpoint.StateFile):
         if self.auto is not None:  # codec="auto": each module's choice and predictions (commpress.fsdp.auto)
             s.update(self.auto.stats())
         return s
-
-    def log_to(
-        self, writer: ScalarWriter, *, every: int = 50, prefix: str = PREFIX, all_ranks: bool = False
-    ) -> StatsLogger:
-        """Write :meth:`stats` to ``writer`` (a TensorBoard ``SummaryWriter``) every ``every`` steps.
-
-        The reduce-scatter writes them itself after every ``every``-th step's last module, with
-        ``global_step`` the step count (:mod:`commpress.statslog`); call it on every rank, only
-        rank 0 writes unless ``all_ranks``. A later call replaces this logger.
-
-        Args:
-            writer: anything with ``add_scalar(tag, value, global_step)``.
-            every: write after steps ``every, 2 * every, ...``.
-            prefix: tags are ``<prefix>/<key>`` (``commpress/compression_ratio``, ...).
-            all_ranks: write on every rank (give each its own writer or prefix).
-
-        Returns:
-            The :class:`~commpress.statslog.StatsLogger` (``.write(step)`` writes now, ``.stop()`` stops).
-        """
-        self._stats_log = StatsLogger(self.stats, writer, every=every, prefix=prefix, rank=self.rank,
-                                      all_ranks=all_ranks)
-        return self._stats_log
 
     def reset_stats(self) -> None:
         """Zero the counters (call counts are state, they are kept)."""
