@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+import commpress
 import commpress.ddp
 
 
@@ -28,7 +29,9 @@ def main() -> None:
     parser.add_argument("--ckpt", default="ckpt_ddp", help="checkpoint directory (resumed from if present)")
     args = parser.parse_args()
 
-    dist.init_process_group("gloo")  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR/PORT
+    # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR/PORT; the restartable form also works when
+    # torchrun --max-restarts restarts the job (a plain init_process_group("gloo") does not: docs/long-runs.md)
+    commpress.init_restartable_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
 
