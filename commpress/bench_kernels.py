@@ -37,6 +37,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -206,10 +207,10 @@ def _bench_backend(
         per_elt = 4 + b / 8 + 4 / INT_BLOCK
         sc, fields = ints[b]
         cases += [
-            (f"int{b} encode", lambda b=b: c.blockint_encode(x, b, INT_BLOCK),
-             lambda b=b: blockint_ref.encode_reference(x, b, INT_BLOCK), per_elt),
-            (f"int{b} decode", lambda b=b, sc=sc, f=fields: c.blockint_decode(sc, f, b, INT_BLOCK, dst, False),
-             lambda b=b, sc=sc, f=fields: blockint_ref.decode_reference(sc, f, b, INT_BLOCK, out_ref), per_elt),
+            (f"int{b} encode", partial(c.blockint_encode, x, b, INT_BLOCK),
+             partial(blockint_ref.encode_reference, x, b, INT_BLOCK), per_elt),
+            (f"int{b} decode", partial(c.blockint_decode, sc, fields, b, INT_BLOCK, dst, False),
+             partial(blockint_ref.decode_reference, sc, fields, b, INT_BLOCK, out_ref), per_elt),
         ]  # fmt: skip
     for name, native, reference, per_elt in cases:
         if only and not any(o in name for o in only):
