@@ -8,11 +8,14 @@ runs here for the device (``native``: the C++/CUDA extension; ``numba`` on the C
 on CUDA: the Python backends of :mod:`commpress.kernels.backends`, single-threaded for numba):
 
 * ``copy_`` of the tensor: the bandwidth ceiling (GB/s = bytes read + bytes written);
-* every native op (fused error feedback + sign encode, sign decode-accumulate, fused error
-  feedback + 4-bit QSGD encode, QSGD decode-accumulate, top-k at 1%, scatter-add of 4 top-k
-  payloads, random-k gather and scatter at 1%), with its effective bandwidth counted the same
-  way (the bytes the op must read and write, listed in the ``bytes/elt`` column) and that as a
-  percentage of ``copy_``;
+* every native op (sign encode, alone as ``codec.encode`` runs it and with fused error
+  feedback, sign decode-accumulate, fused error feedback + 4-bit QSGD encode, QSGD
+  decode-accumulate, top-k at 1%, scatter-add of 4 top-k payloads, random-k gather and scatter
+  at 1%, and the int8 / int4 block-scaled encode and decode at block 256), with its effective
+  bandwidth counted the same way (the bytes the op must read and write, listed in the
+  ``bytes/elt`` column) and that as a percentage of ``copy_``, and its elements per second and
+  their ratio to ``copy_``'s (``x copy_ elt/s``: copy_'s time over the op's, the measure of
+  issue #25's 0.7x goals). int8 / int4 rows appear for backends that have those ops;
 * the pure-torch reference of the op (the specification in commpress/spec/*.py: the naive
   chain of torch ops) and, for top-k, ``torch.topk``; the speed-ups are native vs those.
 
@@ -34,12 +37,14 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 from torch.utils.benchmark import Timer
 
 from .kernels import backends, ops, schema
+from .spec import blockint as blockint_ref
 from .spec import qsgd as qsgd_ref
 from .spec import randomk as randomk_ref
 from .spec import sign as sign_ref
@@ -48,6 +53,9 @@ from .spec import topk as topk_ref
 SIZES = {"1M": 1 << 20, "16M": 1 << 24, "64M": 1 << 26}
 BUCKET = 512  # QSGD bucket size
 DENSITY = 0.01  # top-k / random-k
+INT_BLOCK = 256  # int8 / int4 scale block (the codecs' default)
+#: Ops timed only on backends that have them (the others have every op of the table).
+OPTIONAL_OPS = schema.BLOCKINT_OPS
 
 
 @dataclass
@@ -62,10 +70,16 @@ class Row:
     bytes_per_elt: float | None = None
     gbps: float | None = None
     pct_copy: float | None = None
+    x_copy_elts: float | None = None  # elements/s as a multiple of copy_'s (copy_ ms / op ms)
     ref_ms: float | None = None
     topk_ms: float | None = None
     note: str = ""
     extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def melts(self) -> float:
+        """Millions of elements per second (the size over the time)."""
+        return SIZES[self.size] / self.ms / 1e3
 
     @property
     def vs_ref(self) -> float | None:
@@ -135,9 +149,9 @@ def bench_size(device: str, setting: Setting, backend_names: list[str]) -> list[
 
     copy_s = timed(lambda: dst.copy_(x), mrt)
     copy_gbps = 8 * n / copy_s / 1e9
-    rows.append(Row(label, threads, "torch", "copy_", copy_s * 1e3, 8, copy_gbps, 100.0))
+    rows.append(Row(label, threads, "torch", "copy_", copy_s * 1e3, 8, copy_gbps, 100.0, 1.0))
     for backend in backend_names:
-        rows += _bench_backend(backend, setting, x, e, out, k, copy_gbps, rows)
+        rows += _bench_backend(backend, setting, x, e, out, k, copy_s, rows)
     return rows
 
 
@@ -148,11 +162,12 @@ def _bench_backend(
     e: torch.Tensor,
     out: torch.Tensor,
     k: int,
-    copy_gbps: float,
+    copy_s: float,
     earlier: list[Row],
 ) -> list[Row]:
     """Time every op of one backend (references: timed for the first backend only)."""
     label, n, threads, mrt = setting.label, setting.n, setting.threads, setting.mrt
+    copy_gbps = 8 * n / copy_s / 1e9
     with_ref, only = setting.with_ref, setting.only
     c: Any = kernels(backend)
     rows: list[Row] = []
@@ -163,8 +178,13 @@ def _bench_backend(
     rk_vals = c.randomk_gather(x, k, 3, False)
     e_ref = e.clone()
     out_ref = out.clone()
+    dst = torch.empty_like(out)  # int8 / int4 decode into a reused buffer, as the codec API does
+    with_int = has_ops(backend, OPTIONAL_OPS, x.device.type)
+    ints = {b: c.blockint_encode(x, b, INT_BLOCK) for b in (8, 4)} if with_int else {}
 
     cases: list[tuple[str, Callable[[], object], Callable[[], object] | None, float]] = [
+        ("sign encode", lambda: c.sign_encode(x, None, 0),
+         lambda: sign_ref.encode_reference(x, 0), 4 + 1 / 8),
         ("sign encode + EF (fused)", lambda: c.sign_encode(x, e, 0),
          lambda: sign_ref.encode_reference(x, 0, e_ref), 12 + 1 / 8),
         ("sign decode-accumulate", lambda: c.sign_decode(scales, bits, 0, out),
@@ -183,12 +203,21 @@ def _bench_backend(
         ("random-k 1% scatter-add", lambda: c.randomk_scatter_add(rk_vals, 3, out),
          lambda: randomk_ref.scatter_add_reference(rk_vals, 3, out_ref), DENSITY * 12),
     ]  # fmt: skip
+    for b in ints:  # read 4 B, write the b-bit field and a 4 B scale per block (and back)
+        per_elt = 4 + b / 8 + 4 / INT_BLOCK
+        sc, fields = ints[b]
+        cases += [
+            (f"int{b} encode", partial(c.blockint_encode, x, b, INT_BLOCK),
+             partial(blockint_ref.encode_reference, x, b, INT_BLOCK), per_elt),
+            (f"int{b} decode", partial(c.blockint_decode, sc, fields, b, INT_BLOCK, dst, False),
+             partial(blockint_ref.decode_reference, sc, fields, b, INT_BLOCK, out_ref), per_elt),
+        ]  # fmt: skip
     for name, native, reference, per_elt in cases:
         if only and not any(o in name for o in only):
             continue
         s = timed(native, mrt)
         gbps = per_elt * n / s / 1e9
-        row = Row(label, threads, backend, name, s * 1e3, per_elt, gbps, 100 * gbps / copy_gbps)
+        row = Row(label, threads, backend, name, s * 1e3, per_elt, gbps, 100 * gbps / copy_gbps, copy_s / s)
         first = next((r for r in earlier if r.op == name), None)  # same op on an earlier backend
         if first is not None:
             row.ref_ms, row.topk_ms = first.ref_ms, first.topk_ms
@@ -215,11 +244,12 @@ def fmt(v: float | None, spec: str) -> str:
 
 def table(rows: list[Row], markdown: bool) -> str:
     """The result table as plain text or markdown."""
-    head = ["size", "threads", "backend", "op", "ms", "bytes/elt", "GB/s", "% of copy_", "reference ms", "x ref", "torch.topk ms", "x topk", "note"]
+    head = ["size", "threads", "backend", "op", "ms", "bytes/elt", "GB/s", "% of copy_", "Melt/s", "x copy_ elt/s",
+            "reference ms", "x ref", "torch.topk ms", "x topk", "note"]
     lines = []
     body = [
         [r.size, r.threads, r.backend, r.op, fmt(r.ms, ".3f"), fmt(r.bytes_per_elt, ".3g"), fmt(r.gbps, ".1f"),
-         fmt(r.pct_copy, ".0f"), fmt(r.ref_ms, ".1f"), fmt(r.vs_ref, ".0f"), fmt(r.topk_ms, ".1f"),
+         fmt(r.pct_copy, ".0f"), fmt(r.melts, ".0f"), fmt(r.x_copy_elts, ".2f"), fmt(r.ref_ms, ".1f"), fmt(r.vs_ref, ".0f"), fmt(r.topk_ms, ".1f"),
          fmt(r.vs_topk, ".0f"), r.note]
         for r in rows
     ]  # fmt: skip
@@ -238,7 +268,13 @@ def targets(rows: list[Row], device: str) -> list[str]:
     """The issue's goals, each with MET / MISSED and the measured value."""
     out = []
     goals = [("sign encode + EF (fused)", 70), ("sign decode-accumulate", 70), ("qsgd 4-bit encode + EF (fused)", 50)]
+    # issue #25: these ops at >= 0.7x copy_'s elements/s, 16M float32, 1 thread
+    elt_goals = ("sign encode", "int8 encode", "int8 decode", "int4 encode", "int4 decode")
     for r in rows:
+        if r.op in elt_goals and r.size == "16M" and r.threads == "1" and r.x_copy_elts is not None:
+            ok = r.x_copy_elts >= 0.7
+            out.append(f"{'MET   ' if ok else 'MISSED'} {r.size:>4} {r.threads:>3} thr {r.backend:>6}  {r.op}: "
+                       f"{r.x_copy_elts:.2f}x copy_'s elements/s (goal 0.7x)")
         for op, pct in goals:
             if r.op == op:
                 ok = r.pct_copy is not None and r.pct_copy >= pct
@@ -254,12 +290,20 @@ def targets(rows: list[Row], device: str) -> list[str]:
     return out
 
 
+def has_ops(backend: str, names: tuple[str, ...], device: str) -> bool:
+    """Whether ``backend`` runs every op in ``names`` on ``device`` here."""
+    if backend == "native":
+        native = ops.native_ops()
+        return all(device in native.get(op, []) for op in names)
+    return all(backends.supports(backend, op, device) for op in names)
+
+
 def available_backends(device: str) -> tuple[list[str], dict[str, str]]:
     """Backends that have every op for ``device`` here, and why the others are left out."""
     ok: list[str] = []
     skipped: dict[str, str] = {}
     reason = ops.load_native()
-    timed_ops = [op for op in ops.native_ops() if op not in schema.BLOCKINT_OPS]  # int8/int4: native CPU only
+    timed_ops = [op for op in ops.native_ops() if op not in OPTIONAL_OPS]  # int8/int4: timed where present
     missing = [op for op in timed_ops if device not in ops.native_ops()[op]]
     if reason is not None or missing:
         skipped["native"] = reason or f"built without {device} kernels for {missing}"

@@ -163,6 +163,32 @@ inline DType check_sign_decode(const at::Tensor& scales, const at::Tensor& bits,
   return dtype;
 }
 
+// The int8 / int4 codecs' width and block length.
+inline void check_blockint_params(const char* op, int64_t bits, int64_t block_size) {
+  TORCH_CHECK(bits == 4 || bits == 8, op, ": bits must be one of 4, 8, got ", bits);
+  check_block(op, "block_size", block_size, 1);
+}
+
+// blockint_decode's arguments (one scale per block, `bits` bits per output); returns out's code.
+inline DType check_blockint_decode(const at::Tensor& scales, const at::Tensor& packed,
+                                   int64_t bits, int64_t block_size, const at::Tensor& out,
+                                   c10::DeviceType device) {
+  static constexpr const char* op = "blockint_decode";
+  check_vector(op, "out", out, device);
+  const DType dtype = float_code(op, "out", out);
+  check_blockint_params(op, bits, block_size);
+  check_companion(op, "scales", scales, out, compute_type(out.scalar_type()));
+  check_companion(op, "packed", packed, out, at::kByte);
+  const int64_t n = out.numel();
+  const int64_t block = effective_block(n, block_size);
+  TORCH_CHECK(scales.numel() == n_blocks(n, block), op, ": scales has ", scales.numel(),
+              " elements, ", n, " outputs in blocks of ", block_size, " need ",
+              n_blocks(n, block));
+  TORCH_CHECK(packed.numel() == packed_nbytes(n, bits), op, ": packed has ", packed.numel(),
+              " bytes, ", n, " fields of bits=", bits, " need ", packed_nbytes(n, bits));
+  return dtype;
+}
+
 // qsgd_decode's arguments (one norm per bucket, `bits` bits per output); returns out's code.
 inline DType check_qsgd_decode(const at::Tensor& norms, const at::Tensor& packed, int64_t bits,
                                int64_t levels, int64_t bucket_size, const at::Tensor& out,

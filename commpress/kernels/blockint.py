@@ -2,15 +2,16 @@
 
 :func:`encode` and :func:`decode` run the dispatcher ops ``commpress::blockint_encode`` /
 ``blockint_decode`` where the native extension has them for the tensor's device (the C++ CPU
-kernels of ``csrc/cpu/blockint.cpp``: one pass over the input, AVX-512 for float32), and
-otherwise (no extension, ``COMMPRESS_DISABLE_NATIVE``, CUDA tensors, another backend chosen by
+kernels of ``csrc/cpu/blockint.cpp``: one pass over the input, AVX-512 for float32; the CUDA
+kernels of ``csrc/cuda/blockint.cu`` in a CUDA build), and otherwise (no extension,
+``COMMPRESS_DISABLE_NATIVE``, CUDA tensors with a CPU-only build, another backend chosen by
 :func:`commpress.kernels.ops.use_backend`) the vectorised torch path below: the same IEEE
 operations as the specification in the same dtype (so the same bits), without its copies: no
 padding copy when the length is a multiple of the block (the tail block is handled on its
 own), the division, rounding and clamp in place, the scale broadcast over a ``(blocks,
 block)`` view instead of repeated per element, and bit packing through
 :func:`commpress.kernels.ops.pack_bits`. tests/codecs/test_blockint.py checks both against the
-reference.
+reference; tests/kernels/test_blockint_kernels.py checks the native CPU and CUDA kernels.
 """
 
 from __future__ import annotations

@@ -153,8 +153,8 @@ SIGNATURES: dict[str, Callable[..., tuple[Any, ...]]] = {
 #: Every commpress kernel op.
 OP_NAMES = tuple(SIGNATURES)
 
-#: The int8/int4 ops: native CPU kernels and the reference only (no numba, CuPy or CUDA
-#: kernels yet); without the extension :mod:`commpress.kernels.blockint` runs its torch path.
+#: The int8/int4 ops: native CPU and CUDA kernels and the reference only (no numba or CuPy
+#: kernels); without the extension :mod:`commpress.kernels.blockint` runs its torch path.
 BLOCKINT_OPS = ("blockint_encode", "blockint_decode")
 
 

@@ -24,11 +24,6 @@
 namespace commpress {
 namespace {
 
-void check_blockint_params(const char* op, int64_t bits, int64_t block_size) {
-  TORCH_CHECK(bits == 4 || bits == 8, op, ": bits must be one of 4, 8, got ", bits);
-  check_block(op, "block_size", block_size, 1);
-}
-
 // Whether q_max * top, the largest decoded magnitude, is finite in the compute dtype and
 // after rounding to x's dtype (commpress.spec.blockint.check_decodable).
 bool decodable(DType dtype, double top, int qmax) {
@@ -98,19 +93,10 @@ std::tuple<at::Tensor, at::Tensor> blockint_encode_cpu(const at::Tensor& x, int6
 
 void blockint_decode_cpu(const at::Tensor& scales, const at::Tensor& packed, int64_t bits,
                          int64_t block_size, const at::Tensor& out, bool accumulate) {
-  static constexpr const char* op = "blockint_decode";
-  check_vector(op, "out", out, c10::DeviceType::CPU);
-  const DType dtype = float_code(op, "out", out);
-  check_blockint_params(op, bits, block_size);
-  check_companion(op, "scales", scales, out, compute_type(out.scalar_type()));
-  check_companion(op, "packed", packed, out, at::kByte);
+  const DType dtype =
+      check_blockint_decode(scales, packed, bits, block_size, out, c10::DeviceType::CPU);
   const int64_t n = out.numel();
   const int64_t block = effective_block(n, block_size);
-  TORCH_CHECK(scales.numel() == n_blocks(n, block), op, ": scales has ", scales.numel(),
-              " elements, ", n, " outputs in blocks of ", block_size, " need ",
-              n_blocks(n, block));
-  TORCH_CHECK(packed.numel() == packed_nbytes(n, bits), op, ": packed has ", packed.numel(),
-              " bytes, ", n, " fields of bits=", bits, " need ", packed_nbytes(n, bits));
   if (n == 0) {
     return;
   }

@@ -19,12 +19,13 @@ constexpr int64_t kTaskElems = 32768;
 
 // Per-block reductions of the encoded values w (see SumKind): the deterministic tree sum of
 // include/commpress/tree.h, or the max. Groups run in parallel, then each block combines its
-// group sums by the same tree. `bad` is set when some w is NaN or Inf.
+// group sums by the same tree. `bad` is set when some w is NaN or Inf. With `bits` (kSumAbs
+// only; see SumArgs for the layouts allowed), the sign bits of w are written in the same pass.
 inline std::vector<double> block_reduce(int kind, DType dtype, const void* x, const void* e,
                                         const double* amax, const BlockLayout& layout,
-                                        std::atomic<bool>* bad) {
+                                        std::atomic<bool>* bad, uint8_t* bits = nullptr) {
   const SumFn fn = kernels().sum[kind][dtype][e != nullptr ? 1 : 0];
-  const SumArgs args{x, e, amax, layout};
+  const SumArgs args{x, e, amax, layout, bits};
   std::vector<double> groups(static_cast<size_t>(layout.ngroups));
   const int64_t per_group = std::min(layout.block, layout.group);
   const int64_t grain = std::max<int64_t>(1, kTaskElems / per_group);

@@ -59,11 +59,15 @@ struct BlockLayout {
 };
 
 // x: storage dtype; e: residual (compute dtype) or null; amax: per block, for kSumScaledSquare.
+// bits (kSumAbs only, else null): where to also write the sign bits of w (w < 0, LSB-first, the
+// sign codec's bits), so an encode without a residual reads x once; every group must then start
+// at a multiple of 8 elements (whole blocks a multiple of 8 long, or one block).
 struct SumArgs {
   const void* x;
   const void* e;
   const double* amax;
   BlockLayout layout;
+  uint8_t* bits = nullptr;
 };
 // out[g] = tree sum (or max) of group g, for g in [g0, g1); `bad` is set when an encoded value
 // w is NaN or Inf.

@@ -355,6 +355,39 @@ COMMPRESS_HD bool fast_chunk8_sum(const T* __restrict__ x, const CT<T>* __restri
   return false;
 }
 
+// The sign bits of [s, end) (w < 0, LSB-first) at bits + s / 8, s a multiple of 8 and
+// end - s <= 256: what the sign encode's second pass writes, computed by the block-sum pass
+// while the span is in L1 when there is no residual to update (the bits do not depend on the
+// scale). The AVX-512 compare is sign_encode_f32's; the scalar loop is sign_elems' test.
+template <class T, bool HasE>
+void sign_bits_span(const T* __restrict__ x, const CT<T>* __restrict__ e,
+                    uint8_t* __restrict__ bits, int64_t s, int64_t end) {
+  int64_t i = s;
+#if COMMPRESS_AVX512
+  if constexpr (std::is_same_v<T, float>) {
+    const __m512 zero = _mm512_setzero_ps();
+    for (; i + 16 <= end; i += 16) {
+      const auto m =
+          static_cast<uint16_t>(_mm512_cmp_ps_mask(load_c16(x, e, i, HasE), zero, _CMP_LT_OQ));
+      std::memcpy(bits + i / 8, &m, 2);
+    }
+  }
+#endif
+  const int64_t count = end - i;
+  if (count <= 0) {
+    return;
+  }
+  alignas(64) uint8_t neg[8 * kSumChunk];
+  for (int64_t j = 0; j < count; ++j) {
+    neg[j] = encoded_value<T, HasE>(x, e, i + j) < CT<T>(0);
+  }
+  uint8_t seen = 0;
+  for (int64_t q = 0; q * 8 < count; ++q) {
+    const int len = count - q * 8 < 8 ? static_cast<int>(count - q * 8) : 8;
+    bits[i / 8 + q] = pack_fields<1>(neg + q * 8, len, seen);
+  }
+}
+
 template <int Kind, class T, bool HasE>
 void sum_groups(const SumArgs& a, int64_t g0, int64_t g1, double* out, std::atomic<bool>* bad) {
   const T* __restrict__ x = static_cast<const T*>(a.x);
@@ -432,6 +465,11 @@ void sum_groups(const SumArgs& a, int64_t g0, int64_t g1, double* out, std::atom
         // look at the elements before calling it non-finite input.
         if (!(sub <= std::numeric_limits<double>::max())) {
           saw_bad = saw_bad || has_nonfinite<T, HasE>(x, e, i, i + (count < kSpan ? count : kSpan));
+        }
+        if constexpr (Kind == kSumAbs) {
+          if (a.bits != nullptr) {
+            sign_bits_span<T, HasE>(x, e, a.bits, i, i + (count < kSpan ? count : kSpan));
+          }
         }
         stack.push(sub);
       }

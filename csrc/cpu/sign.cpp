@@ -1,12 +1,15 @@
 // CPU kernels of commpress::sign_encode and commpress::sign_decode (schemas in
 // registration.cpp; specification: commpress/codecs/sign.py).
 //
-// Encode is two passes over the input, because a block's scale depends on all of it:
-//   1. per-block sums of |w| (w = x, or x + residual rounded to x's dtype) in the fixed
-//      summation order of include/commpress/tree.h, and a NaN/Inf check of every w;
-//   2. the sign bits and, with a residual, e = c - decode(w) in place.
+// Encode with a residual is two passes over the input, because a block's scale depends on all
+// of it:
+//   1. per-block sums of |w| (w = x + residual rounded to x's dtype) in the fixed summation
+//      order of include/commpress/tree.h, and a NaN/Inf check of every w;
+//   2. the sign bits and e = c - decode(w) in place.
 // Nothing is written to the residual before pass 1 has validated the whole input, so a
-// non-finite gradient leaves it untouched (the error-feedback skip policy).
+// non-finite gradient leaves it untouched (the error-feedback skip policy). Without a residual
+// the bits (which do not depend on the scale) are written by pass 1 itself, span by span while
+// it is in L1, so the encode reads x once; the fresh outputs are dropped if it then raises.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -60,9 +63,14 @@ std::tuple<at::Tensor, at::Tensor> sign_encode_cpu(const at::Tensor& x,
   const void* xp = x.const_data_ptr();
   void* ep = e != nullptr ? e->data_ptr() : nullptr;
 
+  // Without a residual the bits do not depend on the scales: pass 1 writes them too and the
+  // encode reads x once (4 B/element instead of 8), when every group starts on a whole byte.
+  uint8_t* const fused_bits = e == nullptr && (layout.nblocks == 1 || layout.block % 8 == 0)
+                                  ? bits.mutable_data_ptr<uint8_t>()
+                                  : nullptr;
   std::atomic<bool> bad{false};
   const std::vector<double> sums =
-      cpu::block_reduce(cpu::kSumAbs, dtype, xp, ep, nullptr, layout, &bad);
+      cpu::block_reduce(cpu::kSumAbs, dtype, xp, ep, nullptr, layout, &bad, fused_bits);
   check_finite(!bad.load(), op, e != nullptr ? "x + residual" : "x");
   const bool finite = ct == at::kDouble
                           ? write_scales(sums, layout, scales.mutable_data_ptr<double>())
@@ -70,6 +78,9 @@ std::tuple<at::Tensor, at::Tensor> sign_encode_cpu(const at::Tensor& x,
   TORCH_CHECK(finite, op, ": a block's mean magnitude overflows ", ct,
               " (NaN or Inf scale; nothing was written)");
 
+  if (fused_bits != nullptr) {
+    return {scales, bits};
+  }
   const cpu::SignArgs args{xp, ep, scales.const_data_ptr(), bits.mutable_data_ptr<uint8_t>(), n,
                            layout.block};
   const cpu::SignEncodeFn fn = cpu::kernels().sign_encode[dtype][e != nullptr ? 1 : 0];

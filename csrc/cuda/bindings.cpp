@@ -171,6 +171,50 @@ void qsgd_decode_cuda(const at::Tensor& norms, const at::Tensor& packed, int64_t
       stream()));
 }
 
+// ----- int8 / int4 ---------------------------------------------------------------------------
+
+std::tuple<at::Tensor, at::Tensor> blockint_encode_cuda(const at::Tensor& x, int64_t bits,
+                                                        int64_t block_size) {
+  static constexpr const char* op = "blockint_encode";
+  check_vector(op, "x", x, kCUDA);
+  const DType dtype = float_code(op, "x", x);
+  check_blockint_params(op, bits, block_size);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t n = x.numel();
+  const int64_t block = effective_block(n, block_size);
+  const at::ScalarType ct = compute_type(x.scalar_type());
+  at::Tensor scales = at::empty({n_blocks(n, block)}, x.options().dtype(ct));
+  at::Tensor packed = at::empty({packed_nbytes(n, bits)}, x.options().dtype(at::kByte));
+  if (n == 0) {
+    return {scales, packed};
+  }
+  // per-block max |x| as the magnitude's bits (uint64 words)
+  at::Tensor amax =
+      at::empty({commpress_blockint_scratch_cuda(n, block)}, x.options().dtype(at::kLong));
+  at::Tensor flags = at::empty({1}, x.options().dtype(at::kInt));
+  C10_CUDA_CHECK(commpress_blockint_encode_cuda(
+      x.const_data_ptr(), dtype, n, static_cast<int>(bits), block, scales.data_ptr(),
+      packed.mutable_data_ptr<uint8_t>(),
+      reinterpret_cast<unsigned long long*>(amax.mutable_data_ptr<int64_t>()),
+      flags.mutable_data_ptr<int>(), stream()));
+  const int f = read_flags(flags);
+  check_finite(!(f & cuda::kFlagNonFinite), op, "x");
+  TORCH_CHECK(!(f & cuda::kFlagOverflow), op, ": values too close to ", x.scalar_type(),
+              "'s largest value: the decode of int", bits, " would overflow (nothing was written)");
+  return {scales, packed};
+}
+
+void blockint_decode_cuda(const at::Tensor& scales, const at::Tensor& packed, int64_t bits,
+                          int64_t block_size, const at::Tensor& out, bool accumulate) {
+  const DType dtype = check_blockint_decode(scales, packed, bits, block_size, out, kCUDA);
+  const int64_t n = out.numel();
+  const int64_t block = effective_block(n, block_size);
+  const c10::cuda::CUDAGuard guard(out.device());
+  C10_CUDA_CHECK(commpress_blockint_decode_cuda(
+      scales.const_data_ptr(), packed.const_data_ptr<uint8_t>(), n, static_cast<int>(bits),
+      block, dtype, out.data_ptr(), accumulate ? 1 : 0, stream()));
+}
+
 // ----- top-k and sparse scatter-add ----------------------------------------------------------
 
 std::tuple<at::Tensor, at::Tensor> topk_select_cuda(const at::Tensor& x, int64_t k) {
@@ -276,6 +320,8 @@ TORCH_LIBRARY_IMPL(commpress, CUDA, m) {
   m.impl("sparse_scatter_add", &sparse_scatter_add_cuda);
   m.impl("randomk_gather", &randomk_gather_cuda);
   m.impl("randomk_scatter_add", &randomk_scatter_add_cuda);
+  m.impl("blockint_encode", &blockint_encode_cuda);
+  m.impl("blockint_decode", &blockint_decode_cuda);
 }
 
 }  // namespace commpress

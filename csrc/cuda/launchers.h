@@ -65,6 +65,19 @@ cudaError_t commpress_randomk_scatter_add_cuda(const void* values, int dtype, in
                                                int64_t n, uint64_t seed, void* out,
                                                cudaStream_t stream);
 
+// int8 / int4 (blockint.cu): bits in {4, 8}; scales in the compute dtype, one per block.
+// Scratch `amax`: commpress_blockint_scratch_cuda(n, block) words. flags bit 1 = NaN/Inf in x,
+// 2 = the decode of a block would overflow x's dtype (then no field is written).
+int64_t commpress_blockint_scratch_cuda(int64_t n, int64_t block);
+cudaError_t commpress_blockint_encode_cuda(const void* x, int dtype, int64_t n, int bits,
+                                           int64_t block, void* scales, uint8_t* packed,
+                                           unsigned long long* amax, int* flags,
+                                           cudaStream_t stream);
+// Decode: out = decoded (accumulate == 0) or out += decoded.
+cudaError_t commpress_blockint_decode_cuda(const void* scales, const uint8_t* packed, int64_t n,
+                                           int bits, int64_t block, int dtype, void* out,
+                                           int accumulate, cudaStream_t stream);
+
 // bit packing (bitpack.cu)
 cudaError_t commpress_pack_bits_cuda(const uint8_t* fields, int64_t n, int bits, uint8_t* packed,
                                      unsigned long long* first_bad, cudaStream_t stream);

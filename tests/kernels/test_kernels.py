@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from commpress import CodecError, ErrorFeedback, codecs, rng, wire
 from commpress.codecs.base import Codec, NonFiniteError
@@ -138,6 +140,26 @@ def test_sign_encode_decode(backend: str, dtype: torch.dtype) -> None:
                     (outd,) = on(backend, out)
                     backend.ops.sign_decode(*on(backend, *want), block, outd, acc)
                     assert same_bits(outd, out_ref), f"sign_decode accumulate={acc} {case}"
+
+
+# Layouts of the one-pass encode (no residual: the block-sum pass writes the bits): one block,
+# blocks that are multiples of 8 (fused) or not (two passes), lengths across summation groups.
+@parametrize_all_backends
+@given(n=st.one_of(st.integers(0, 2100), st.sampled_from([32768 - 8, 32768 + 5, 65536 + 17])),
+       block=st.sampled_from([0, 1, 8, 13, 16, 24, 1000, 32768, 40000]), dtype=st.sampled_from(DTYPES),
+       with_e=st.booleans(), seed=st.integers(0, 2**31), kind=st.sampled_from(["normal", "ties", "sparse"]))
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_sign_encode_any_layout_matches_reference(backend: str, n: int, block: int, dtype: torch.dtype,
+                                                  with_e: bool, seed: int, kind: str) -> None:  # fmt: skip
+    x = sample(n, dtype, seed=seed % 10_000, kind=kind)
+    e = residual_for(x, seed % 10_000) if with_e else None
+    e_ref = None if e is None else e.clone()
+    want = sign_mod.encode_reference(x, block, e_ref)
+    xd, ed = on(backend, x, e)
+    got = backend.ops.sign_encode(xd, ed, block)
+    assert_same(got, want, f"sign_encode n={n} block={block} residual={with_e} {dtype}")
+    if with_e:
+        assert same_bits(ed, e_ref)
 
 
 # ---------------------------------------------------------------------------------------------
