@@ -87,7 +87,8 @@ def case_none_equals_dense(rank: int, steps: int) -> dict[str, Any]:
         assert_all_ranks(torch.allclose(a, b, rtol=1e-5, atol=1e-6), f"none step {step}: hierarchical != dense DDP")
     s = state.stats()
     return {"max_abs_diff": worst, "inter_bytes_sent": s["inter_bytes_sent"], "intra_bytes_sent": s["intra_bytes_sent"],
-            "bytes_sent": s["bytes_sent"], "dense_bytes": s["dense_bytes"], "hierarchical": s["hierarchical"]}
+            "bytes_sent": s["bytes_sent"], "dense_bytes": s["dense_bytes"], "hierarchical": s["hierarchical"],
+            "inter_compression_ratio": s["inter_compression_ratio"]}
 
 
 def _train(codec: str, opts: dict[str, Any], rank: int, steps: int, hierarchical: bool) -> dict[str, Any]:

@@ -7,8 +7,8 @@ know the layout; it comes from, in order:
 1. an explicit ``local_world_size=L`` (:func:`explicit`): the world must be ``nodes x L`` with the
    ranks of a node contiguous (ranks ``n*L .. n*L+L-1`` are node ``n``); anything else is a
    :class:`~commpress.errors.ConfigurationError` naming what does not fit;
-2. torchrun's environment (``LOCAL_WORLD_SIZE``, ``GROUP_RANK``), read on every rank and
-   exchanged through the process group's store (:func:`from_environment`, decided by the pure
+2. torchrun's environment (``LOCAL_WORLD_SIZE``, ``GROUP_RANK``), read on every rank that has
+   both and exchanged through the process group's store (:func:`from_environment`, decided by the pure
    :func:`decide`): used only when it describes a homogeneous layout of more than one node with
    each node's ranks contiguous; any other layout (nodes of different sizes, interleaved ranks,
    variables set on some ranks only) falls back to flat, with a log line saying why;
@@ -187,9 +187,14 @@ def _exchange(text: str, group: Any, timeout_s: float) -> list[str]:
     try:
         store.wait(keys, datetime.timedelta(seconds=timeout_s))
     except RuntimeError:
+        try:
+            missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        except RuntimeError:  # the store went away with its host rank
+            missing = list(range(world))
         raise ConfigurationError(
-            f"commpress: rank {rank} is detecting the node layout, but not every rank of the process group "
-            f"registered within {timeout_s:g} s (verify_timeout): call commpress.ddp.register on every rank"
+            f"commpress: rank {rank} read the node layout from torchrun's variables, but ranks {missing} did not "
+            f"within {timeout_s:g} s (verify_timeout): call commpress.ddp.register on every rank, each with "
+            "LOCAL_WORLD_SIZE and GROUP_RANK set (torchrun sets both), or pass local_world_size="
         ) from None
     return [store.get(k).decode() for k in keys]
 
@@ -201,12 +206,13 @@ def from_environment(group: Any, timeout_s: float, env: Mapping[str, str] | None
     """
     world = dist.get_world_size(group)
     mine = read_environment(env)
-    if world < 2:
-        return flat(world)
+    if world < 2 or mine.local_world_size is None or mine.node is None:
+        return flat(world)  # not launched by torchrun (mp.spawn, mpirun): nothing to exchange
     places = [RankPlace.decode(t) for t in _exchange(mine.encode(), group, timeout_s)]
     topo = decide(places)
-    if topo.reason:
-        logger.info("commpress: running flat: %s", topo.reason)
+    if topo.reason:  # a single node is the usual case: only a layout that cannot be used is worth a line
+        level = logging.DEBUG if "no slow hop" in topo.reason else logging.INFO
+        logger.log(level, "commpress: running flat: %s", topo.reason)
     return topo
 
 

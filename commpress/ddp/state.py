@@ -541,6 +541,11 @@ class CompressionState(DDPCheckpoint):
         ``2(n-1)/n * B``, all_gather ``(n-1) * B``), ``wire_ratio`` their quotient.
         ``encode_s`` / ``decode_s`` / ``wait_s``: seconds encoding (incl. error feedback),
         decoding, and blocked on phase 1 of the two-phase algorithm.
+        ``hierarchical`` (1.0 / 0.0), ``nodes``, ``local_world_size``: the topology in use;
+        ``inter_bytes_sent`` / ``inter_bytes_wire`` and ``intra_*``: the parts of the bytes handed
+        over across nodes and inside the node (0 when flat; ``bytes_sent`` counts both, so its
+        ``compression_ratio`` includes the dense intra-node traffic), per step in
+        ``inter_bytes_sent_per_step``; ``inter_compression_ratio`` = ``dense_bytes / inter_bytes_sent``.
         """
         s: dict[str, float] = dict(self._stats.as_dict())
         s["steps"] = self.step
@@ -552,6 +557,8 @@ class CompressionState(DDPCheckpoint):
         s["hierarchical"] = float(self.topology.hierarchical)
         s["nodes"] = float(self.topology.nodes)
         s["local_world_size"] = float(self.topology.local_world_size)
+        if self.topology.hierarchical:  # what crosses nodes against what a flat dense all-reduce hands over
+            s["inter_compression_ratio"] = s["dense_bytes"] / s["inter_bytes_sent"] if s["inter_bytes_sent"] else 1.0
         s.update(self.guard.stats())
         if self.auto is not None:
             s.update(self.auto.stats())
