@@ -134,6 +134,13 @@ def test_resume_is_bit_exact(report: dict) -> None:
     assert report["resume"]["sign-twophase"]["server_keys"][0] == "h1.weight@0#0"
 
 
+def test_error_feedback_loses_nothing_through_warmup_and_dense_steps(report: dict) -> None:
+    """Asserted in the workers: W moved by exactly -lr * sum of the mean gradients (fp32 rounding)."""
+    for label in ("topk", "sign-twophase"):
+        flush = report["flush"][label]
+        assert flush["guard_fired"] == 1 and flush["residual_keys"] > 0 and flush["max_err"] < 1e-5, flush
+
+
 def test_a_nonfinite_gradient_voids_the_step_everywhere(report: dict) -> None:
     assert report["nonfinite"]["nonfinite_slots"] > 0
 
