@@ -234,7 +234,8 @@ def case_topology(rank: int) -> dict[str, str]:
 
     out: dict[str, str] = {}
     for label, kwargs in (("L=3", {"local_world_size": 3}), ("L=0", {"local_world_size": 0}),
-                          ("auto", {"local_world_size": 2}), ("by-name", {"algorithm": "hierarchical"})):
+                          ("auto", {"local_world_size": 2}), ("by-name", {"algorithm": "hierarchical"}),
+                          ("disagree", {"local_world_size": 2} if rank < 2 else {})):
         ddp = make_ddp()
         try:
             commpress.ddp.register(ddp, "auto", **kwargs) if label == "auto" else commpress.ddp.register(ddp, "topk", ratio=0.01, **kwargs)

@@ -151,6 +151,9 @@ def test_bad_layouts_and_torchrun_variables(report: dict) -> None:
     assert "ConfigurationError" in out["L=0"] and "int >= 1" in out["L=0"], out
     assert "ConfigurationError" in out["auto"] and "codec='auto' runs flat" in out["auto"], out
     assert "ConfigurationError" in out["by-name"] and "pass local_world_size=" in out["by-name"], out
+    # ranks 0-1 asked for 2 x 2, ranks 2-3 did not: the configuration agreement names it (rank 0's view)
+    assert "ConfigurationError" in out["disagree"] and "configured differently" in out["disagree"], out
+    assert "ranks [2, 3]" in out["disagree"] and "4 x 1 ranks (flat)" in out["disagree"], out
     two = json.loads(out["env-2x2"])
     assert (two["nodes"], two["local_world_size"], two["source"], two["algorithm"]) == (2, 2, "torchrun", "hierarchical")
     uneven = json.loads(out["env-3+1"])
