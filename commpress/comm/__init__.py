@@ -16,6 +16,9 @@ algorithm         what it does                                                  
 ``reducescatter`` all_to_all of the other ranks' chunks, each rank averages its own  any (FSDP:
                   (ends in a shard, :attr:`~.driver.Algorithm.shards`;              ``output=``)
                   ``reducescatter-dense``: torch's own, for ``none``)
+``hierarchical``  dense reduce-scatter in the node, one of the above across nodes   those its inner
+                  on the 1/L share, dense all-gather in the node (bound per state   algorithm runs
+                  to the node layout, :mod:`.topology`)
 ================  ===============================================================  ==============
 
 Adding an algorithm is one file with an :class:`~.driver.Algorithm` subclass (built on the
@@ -40,6 +43,7 @@ from ..feedback import ErrorFeedback
 from .allgather import AllGather
 from .allreduce import AllReduce, allreduce_mean
 from .driver import Algorithm, Piece, Slot, StepContext, check_slots
+from .hierarchical import Hierarchical
 from .reducescatter import DenseReduceScatter, ReduceScatter
 from .stats import CommStats
 from .store import all_gather_single
@@ -47,7 +51,7 @@ from .twophase import TwoPhase, piece_bounds, piece_key
 
 #: name -> algorithm; one line per algorithm.
 ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (AllReduce(), AllGather(), TwoPhase(), ReduceScatter(),
-                                                         DenseReduceScatter())}
+                                                         DenseReduceScatter(), Hierarchical())}
 
 
 def register(algorithm: Algorithm) -> Algorithm:
@@ -124,7 +128,7 @@ def check_algorithm(algorithm: str, codec: Codec, world_size: int = 0) -> str:
 
 
 def run(
-    algorithm: str,
+    algorithm: str | Algorithm,
     buffer: torch.Tensor,
     slots: Sequence[Slot],
     *,
@@ -138,15 +142,16 @@ def run(
 
     An algorithm that ends in a shard (:attr:`~.driver.Algorithm.shards`: ``reducescatter``)
     writes this rank's part into ``output`` instead (summed, not averaged, without ``average``).
+    ``algorithm`` is a registered name or an instance (a bound ``hierarchical`` one).
     """
-    chosen = get(algorithm)
+    chosen = algorithm if isinstance(algorithm, Algorithm) else get(algorithm)
     if chosen.shards != (output is not None):
-        raise CodecError(f"algorithm {algorithm!r} {'needs' if chosen.shards else 'takes no'} output= tensor")
+        raise CodecError(f"algorithm {chosen.name!r} {'needs' if chosen.shards else 'takes no'} output= tensor")
     return chosen.launch(StepContext(buffer, slots, group, stats, output=output, average=average), server_feedback)
 
 
 __all__ = [
-    "ALGORITHMS", "COLLECTIVE_CODEC_DEFAULTS", "Algorithm", "CommStats", "Piece", "Slot", "StepContext", "all_gather_single",
+    "ALGORITHMS", "COLLECTIVE_CODEC_DEFAULTS", "Algorithm", "CommStats", "Hierarchical", "Piece", "Slot", "StepContext", "all_gather_single",
     "allreduce_mean", "check_algorithm", "check_slots", "default_algorithm", "get", "piece_bounds",
     "piece_key", "register", "resolve_codec", "run",
 ]

@@ -366,6 +366,14 @@ class Algorithm(ABC):
         """The server-side residuals rank ``rank`` owns for one parameter (default: none)."""
         return []
 
+    def flush_weights(self, world_size: int) -> tuple[float, float]:
+        """How many times a dense step adds a worker and a server residual into this rank's gradient.
+
+        A worker residual is of this rank's own gradient (1); a server residual is of the
+        average over ``world_size`` ranks (``world_size``, so the dense all-reduce's mean holds it once).
+        """
+        return 1.0, float(world_size)
+
     def wire_plan(self, entries: Sequence[Entry], codec: Codec, n: int, dtype: torch.dtype) -> dict[str, float]:
         """Bytes each collective hands over per rank, and decodes per element (the cost model's input).
 

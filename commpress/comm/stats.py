@@ -23,11 +23,14 @@ class CommStats:
     ``dense_bytes`` / ``dense_wire`` are the same for a plain all-reduce of the buffer.
     ``nonfinite_local`` counts slots this rank could not encode (non-finite input),
     ``nonfinite_slots`` slots written as NaN because some rank could not (same on all ranks).
+    ``intra_*`` / ``inter_*``: the parts of ``bytes_sent`` / ``bytes_wire`` the hierarchical
+    algorithm (:mod:`.hierarchical`) hands over inside a node and across nodes (0 when flat).
     """
 
     FIELDS = (
         "buffers", "collectives", "bytes_sent", "bytes_wire", "dense_bytes", "dense_wire",
         "encode_s", "decode_s", "wait_s", "nonfinite_local", "nonfinite_slots",
+        "intra_bytes_sent", "intra_bytes_wire", "inter_bytes_sent", "inter_bytes_wire",
     )
 
     def __init__(self) -> None:

@@ -81,7 +81,7 @@ def _reduce(state: CompressionState, bucket: dist.GradBucket, buffer: torch.Tens
         seeds = [state.param_seed(p) for p in plan.params]
         slots = plan.slots(state.codec, seeds, state.feedback)
         fut = comm.run(
-            state.algorithm, buffer, slots, group=state.process_group,
+            state.algorithm_impl, buffer, slots, group=state.process_group,
             server_feedback=state.server_feedback, stats=state.counters,
         )
         if measured:  # the encode above updated the residuals

@@ -30,14 +30,16 @@ class ParamResiduals:
 
     __slots__ = ("codec", "algorithm", "world_size", "rank", "worker", "server")
 
-    def __init__(self, codec: Codec, algorithm: str, world_size: int, rank: int,
+    def __init__(self, codec: Codec, algorithm: str | comm.Algorithm, world_size: int, rank: int,
                  plans: Sequence[ParamPlan] | None) -> None:
-        self.codec, self.algorithm, self.world_size, self.rank = codec, algorithm, world_size, rank
+        # a name, or the instance the state runs (a hierarchical one is bound to the node layout)
+        self.algorithm = algorithm if isinstance(algorithm, comm.Algorithm) else comm.get(algorithm)
+        self.codec, self.world_size, self.rank = codec, world_size, rank
         self.worker: ErrorFeedback | None = None
         self.server: ErrorFeedback | None = None
         if plans is None:
             return
-        layout = comm.get(algorithm)
+        layout = self.algorithm
         self.worker = ErrorFeedback(codec, feedback_shapes(list(plans), layout, codec, world_size))
         if layout.server_feedback:
             self.server = ErrorFeedback(codec, feedback_shapes(list(plans), layout, codec, world_size, rank))
@@ -46,7 +48,7 @@ class ParamResiduals:
         """``(start, stop, residual)`` of each piece of a parameter's flat residual."""
         if self.worker is None:
             return []
-        layout = comm.get(self.algorithm).residual_layout(plan.name, plan.shape, self.codec, self.world_size)
+        layout = self.algorithm.residual_layout(plan.name, plan.shape, self.codec, self.world_size)
         found = [(piece.lo, piece.hi, self.worker.residual(piece.key)) for piece in layout]
         return [(lo, hi, e) for lo, hi, e in found if e is not None]
 
@@ -54,24 +56,27 @@ class ParamResiduals:
         """Add this rank's residuals into a dense step's gradients and zero them (nothing lost).
 
         Worker residuals are this rank's own; a two-phase server residual is an average already,
-        so it is added ``world_size`` times before the dense all-reduce divides by it.
+        so it is added ``world_size`` times before the dense all-reduce divides by it (the
+        algorithm's :meth:`~commpress.comm.Algorithm.flush_weights`: a hierarchical worker residual
+        is of its node's mean, added ``L`` times).
         """
         if self.worker is None:
             return
+        worker_w, server_w = self.algorithm.flush_weights(self.world_size)
         for p, off in zip(plan.params, plan.offsets):
             if not p.compressed:
                 continue
             for lo, hi, e in self.pieces(p):
-                buffer[off + lo : off + hi].add_(e.reshape(-1).to(buffer.dtype))
+                buffer[off + lo : off + hi].add_(e.reshape(-1).to(buffer.dtype), alpha=worker_w)
                 e.zero_()
             if self.server is not None:
-                for piece in comm.get(self.algorithm).server_layout(
+                for piece in self.algorithm.server_layout(
                     p.name, p.shape, self.codec, self.world_size, self.rank
                 ):
                     server_e = self.server.residual(piece.key)
                     if server_e is not None:
                         buffer[off + piece.lo : off + piece.hi].add_(
-                            server_e.reshape(-1).to(buffer.dtype), alpha=self.world_size
+                            server_e.reshape(-1).to(buffer.dtype), alpha=server_w
                         )
                         server_e.zero_()
 
@@ -90,7 +95,7 @@ class ParamResiduals:
     def residual(self, plan: ParamPlan) -> torch.Tensor | None:
         """The worker-side residual of a compressed parameter, whole (None before its first step)."""
         found = self.pieces(plan)
-        layout = comm.get(self.algorithm).residual_layout(plan.name, plan.shape, self.codec, self.world_size)
+        layout = self.algorithm.residual_layout(plan.name, plan.shape, self.codec, self.world_size)
         if len(found) != len(layout):
             return None  # before its first step
         if len(found) == 1:

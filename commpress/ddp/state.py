@@ -14,10 +14,10 @@ from .. import comm
 from .. import options as opts
 from ..codecs import Codec
 from ..codecs.base import all_finite
-from ..comm import CommStats, check_algorithm
+from ..comm import Algorithm, CommStats, Hierarchical, check_algorithm, topology
 from ..comm.agreement import check_same_config
 from ..comm.faults import FaultChannel
-from ..errors import CodecError
+from ..errors import CodecError, ConfigurationError
 from ..feedback import ErrorFeedback, residual_dtype
 from ..optim import (
     DISCOVER,
@@ -99,7 +99,15 @@ class CompressionState(DDPCheckpoint, LogsStats):
         modes: optimizer modes of your own (:class:`~commpress.optim.OptimizerMode`), run in order
             on each parameter's gradient before it is reduced, checkpointed and reported with the state.
         algorithm: ``"auto"`` (per codec, see :mod:`commpress.comm`), ``"allreduce"``,
-            ``"allgather"`` or ``"twophase"``.
+            ``"allgather"`` or ``"twophase"``; on several nodes (``local_world_size``) the one that
+            runs across nodes on each rank's share (``"hierarchical"``: the same as ``"auto"`` there).
+        local_world_size: ranks per node (L). With several nodes of several ranks, gradients are
+            reduced dense inside a node, and only each rank's ``1/L`` share is compressed across
+            nodes (:mod:`commpress.comm.hierarchical`); the world must be ``nodes x L`` with the
+            ranks of a node contiguous, else a :class:`~commpress.errors.ConfigurationError`.
+            ``None`` (default): torchrun's ``LOCAL_WORLD_SIZE`` / ``GROUP_RANK`` when they describe such a
+            layout on every rank, else flat (logged; :mod:`commpress.comm.topology`). ``codec="auto"``
+            runs flat (its cost model knows one link).
         verify: at construction, compare a digest of the configuration and model across ranks
             through the process group's store (no collective): ranks configured differently fail
             with a :class:`~commpress.errors.ConfigurationError` naming what differs, and a rank that
@@ -117,7 +125,8 @@ class CompressionState(DDPCheckpoint, LogsStats):
     file_what = "commpress DDP state"
     __slots__ = (  # with DDPCheckpoint's
         "process_group", "plans_by_id", "warmup", "adam", "auto", "faults", "_bucket_plans", "_verify_pending",
-        "_stats_log", "_first_gradients", "keeping_first_gradients", "_find_optimizer",
+        "_stats_log", "_first_gradients", "keeping_first_gradients", "_find_optimizer", "topology", "inner_algorithm",
+        "algorithm_impl",
     )
 
     def __init__(
@@ -141,6 +150,7 @@ class CompressionState(DDPCheckpoint, LogsStats):
         verify_timeout: float = VERIFY_TIMEOUT_S,
         divergence_guard: DivergenceGuard | bool = True,
         modes: Sequence[OptimizerMode] = (),
+        local_world_size: int | None = None,
         **codec_params: Any,
     ) -> None:
         discover = isinstance(optimizer, str) and optimizer == DISCOVER
@@ -185,7 +195,8 @@ class CompressionState(DDPCheckpoint, LogsStats):
         # a failure on one rank becomes every rank's error (see FaultChannel): a watcher thread
         # blocked on the store, nothing per step
         self.faults = FaultChannel.of(process_group)
-        self.algorithm = check_algorithm(algorithm, self.codec, self.world_size)
+        self._resolve_topology(process_group, local_world_size, algorithm, auto is not None,
+                               opts.check_timeout(verify_timeout))
         self.error_feedback = error_feedback
         self.step = 0
         self._stats_log: StatsLogger | None = None  # log_to's
@@ -236,8 +247,41 @@ class CompressionState(DDPCheckpoint, LogsStats):
         self._verify_pending: float | None = None if verify else timeout
         if verify:
             self._verify_ranks(timeout)
+            self._connect()
             if self.auto is not None:  # after the check (verify=False: at the first bucket)
                 self.auto.calibrate()
+
+    def _resolve_topology(self, group: Any, local_world_size: int | None, algorithm: str, auto: bool,
+                          timeout_s: float) -> None:
+        """Set ``topology``, ``algorithm`` (a name), ``inner_algorithm`` and ``algorithm_impl`` (what the hook runs)."""
+        topo = topology.resolve(group, local_world_size, timeout_s)
+        if topo.hierarchical and auto:
+            if topo.source == "explicit":
+                raise ConfigurationError("codec='auto' runs flat for now (its cost model knows one link): "
+                                         "drop local_world_size= or name a codec")
+            logger.info("commpress: codec='auto' runs flat (its cost model knows one link), not on the %d x %d nodes "
+                        "torchrun describes", topo.nodes, topo.local_world_size)
+            topo = topology.flat(self.world_size, "codec='auto'")
+        self.topology = topo
+        if not topo.hierarchical:
+            if algorithm == "hierarchical":
+                raise ConfigurationError(
+                    f"algorithm 'hierarchical' needs several nodes of several ranks; this group runs flat "
+                    f"({topo.reason or 'no layout given or detected'}): pass local_world_size="
+                )
+            self.algorithm = check_algorithm(algorithm, self.codec, self.world_size)
+            self.inner_algorithm: str | None = None
+            self.algorithm_impl: Algorithm = comm.get(self.algorithm)
+            return
+        self.inner_algorithm = check_algorithm("auto" if algorithm == "hierarchical" else algorithm, self.codec,
+                                               topo.nodes)
+        self.algorithm = "hierarchical"
+        self.algorithm_impl = Hierarchical.bind(topo, self.rank, comm.get(self.inner_algorithm))
+
+    def _connect(self) -> None:
+        """Create the node groups (after the agreement: a rank that never registers is named, not waited for)."""
+        if isinstance(self.algorithm_impl, Hierarchical):
+            self.algorithm_impl.connect(self.process_group)
 
     # ----- configuration --------------------------------------------------------------------
     @property
@@ -282,7 +326,7 @@ class CompressionState(DDPCheckpoint, LogsStats):
 
     def _new_residuals(self) -> ParamResiduals:
         plans = list(self.plans.values()) if self.uses_feedback else None
-        return ParamResiduals(self.codec, self.algorithm, self.world_size, self.rank, plans)
+        return ParamResiduals(self.codec, self.algorithm_impl, self.world_size, self.rank, plans)
 
     def _auto_inputs(self) -> AutoInputs:
         """What ``codec="auto"`` reads of this state (a record, not the state)."""
@@ -303,6 +347,8 @@ class CompressionState(DDPCheckpoint, LogsStats):
             "momentum": self.momentum,
             "momentum_rules": self.correction.rules_state(),
             "world_size": self.world_size,
+            "topology": self.topology.config(),
+            "inner_algorithm": self.inner_algorithm,
             "auto": None if self.auto is None else self.auto.config(),
             **({"modes": [m.name for m in self.modes]} if self.modes else {}),
             "params": [
@@ -317,7 +363,8 @@ class CompressionState(DDPCheckpoint, LogsStats):
         store, so a rank that never registers is named after ``timeout_s`` on gloo and NCCL alike.
         """
         config = self.config()
-        summary = (f"{self.codec!r}, algorithm={self.algorithm}, error_feedback={self.error_feedback}, "
+        summary = (f"{self.codec!r}, algorithm={self.algorithm}, {self.topology.nodes} x "
+                   f"{self.topology.local_world_size} ranks ({self.topology.source}), error_feedback={self.error_feedback}, "
                    f"warmup_steps={self.warmup.steps}, {len(config['params'])} parameters")
         check_same_config(config, summary=summary, group=self.process_group, timeout_s=timeout_s,
                           what="commpress.ddp.register")
@@ -404,6 +451,7 @@ class CompressionState(DDPCheckpoint, LogsStats):
         if self._verify_pending is not None:
             timeout_s, self._verify_pending = self._verify_pending, None
             self._verify_ranks(timeout_s)
+            self._connect()
         if self._find_optimizer is not None:
             find, self._find_optimizer = self._find_optimizer, None
             find()
@@ -464,7 +512,7 @@ class CompressionState(DDPCheckpoint, LogsStats):
         """DGC's momentum factor masking of the bucket's compressed parameters (:meth:`MomentumCorrection.mask`)."""
         if not self.correction.masking or self.feedback is None:
             return
-        algorithm = comm.get(self.algorithm)
+        algorithm = self.algorithm_impl
         for p in plan.params:
             if p.compressed:
                 pieces = algorithm.residual_layout(p.name, p.shape, self.codec, self.world_size)
@@ -493,11 +541,24 @@ class CompressionState(DDPCheckpoint, LogsStats):
         ``2(n-1)/n * B``, all_gather ``(n-1) * B``), ``wire_ratio`` their quotient.
         ``encode_s`` / ``decode_s`` / ``wait_s``: seconds encoding (incl. error feedback),
         decoding, and blocked on phase 1 of the two-phase algorithm.
+        ``hierarchical`` (1.0 / 0.0), ``nodes``, ``local_world_size``: the topology in use;
+        ``inter_bytes_sent`` / ``inter_bytes_wire`` and ``intra_*``: the parts of the bytes handed
+        over across nodes and inside the node (0 when flat; ``bytes_sent`` counts both, so its
+        ``compression_ratio`` includes the dense intra-node traffic), per step in
+        ``inter_bytes_sent_per_step``; ``inter_compression_ratio`` = ``dense_bytes / inter_bytes_sent``.
         """
         s: dict[str, float] = dict(self._stats.as_dict())
         s["steps"] = self.step
         s["counted_steps"] = self.step - self._stats_from_step
         opts.ratio_stats(s, self.step - self._stats_from_step)
+        steps = max(self.step - self._stats_from_step, 1)
+        s["inter_bytes_sent_per_step"] = s["inter_bytes_sent"] / steps
+        s["intra_bytes_sent_per_step"] = s["intra_bytes_sent"] / steps
+        s["hierarchical"] = float(self.topology.hierarchical)
+        s["nodes"] = float(self.topology.nodes)
+        s["local_world_size"] = float(self.topology.local_world_size)
+        if self.topology.hierarchical:  # what crosses nodes against what a flat dense all-reduce hands over
+            s["inter_compression_ratio"] = s["dense_bytes"] / s["inter_bytes_sent"] if s["inter_bytes_sent"] else 1.0
         s.update(self.guard.stats())
         if self.auto is not None:
             s.update(self.auto.stats())
@@ -533,7 +594,8 @@ class CompressionState(DDPCheckpoint, LogsStats):
     def __repr__(self) -> str:
         dense = sum(1 for p in self.plans.values() if not p.compressed)
         return (
-            f"CompressionState(codec={self.codec!r}, algorithm={self.algorithm!r}, "
+            f"CompressionState(codec={self.codec!r}, algorithm={self.algorithm!r}"
+            f"{'' if self.inner_algorithm is None else f' ({self.inner_algorithm} across {self.topology.nodes} nodes)'}, "
             f"error_feedback={self.error_feedback}, step={self.step}, rank={self.rank}/{self.world_size}, "
             f"params={len(self.plans)} ({dense} dense))"
         )

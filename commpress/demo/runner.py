@@ -304,6 +304,9 @@ def run_method(method: str, work: Workload, steps: int, warmup: int, eval_every:
         "claimed_wire_bytes_per_step": claimed_wire,
         "measured_wire_bytes_per_step": [float(t) for t in gathered],
         "compression_ratio": ratio,
+        # the hierarchical algorithm's bytes handed over across nodes (0 when flat), and all of them
+        "inter_bytes_sent_per_step": None if state is None else stats["inter_bytes_sent"] / max(timed, 1),
+        "bytes_sent_per_step": 4 * numel if state is None else stats["bytes_sent"] / max(timed, 1),
         "final_loss": curve[-1][2] if curve else final.get("loss"),
         "final_accuracy": accuracy[-1] if accuracy else final.get("accuracy"),
         "curve": curve,
