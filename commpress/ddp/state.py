@@ -391,12 +391,7 @@ class CompressionState(DDPCheckpoint, LogsStats):
         """At a fresh run's first bucket: adopt the optimizer already built, as if passed (all ranks agree)."""
         if self.step != 0 or self.correction.rules or self.discovery is None:
             return  # resumed: the checkpoint's rules run, and the step hook adopts after this step
-        optimizer = self.discovery.find_existing()
-        found = type(optimizer).__name__ if optimizer is not None else None
-        # a rank adopting while another does not would send frames of other sizes
-        check_same_config({"optimizer_found_before_step_0": found}, summary=f"optimizer found: {found}",
-                          group=self.process_group, timeout_s=timeout_s,
-                          what="the first backward after commpress.ddp.register")
+        optimizer = self.discovery.find_agreed(group=self.process_group, timeout_s=timeout_s)
         if optimizer is not None:
             self.keeping_first_gradients = False
             self._adopt_optimizer(module, optimizer, masking)

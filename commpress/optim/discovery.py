@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from ..comm.agreement import check_same_config
+
 logger = logging.getLogger("commpress")
 
 #: The default of ``register(..., optimizer=...)``: find the optimizer at its first step.
@@ -84,6 +86,20 @@ class OptimizerDiscovery:
         logger.info("commpress: %s: adopted %s before its first step (as if passed as optimizer=)",
                     self._what, type(found[0]).__name__)
         return found[0]
+
+    def find_agreed(self, *, group: Any, timeout_s: float) -> torch.optim.Optimizer | None:
+        """:meth:`find_existing` on every rank of ``group``, which must all find the same kind (or none).
+
+        A rank adopting while another does not would send frames of other sizes, so the kinds
+        found are compared through the process group's store
+        (:func:`~commpress.comm.agreement.check_same_config`: a :class:`ConfigurationError` on
+        every rank when they differ). Every rank calls it once, at the same point.
+        """
+        optimizer = self.find_existing()
+        found = type(optimizer).__name__ if optimizer is not None else None
+        check_same_config({"optimizer_found_before_step_0": found}, summary=f"optimizer found: {found}",
+                          group=group, timeout_s=timeout_s, what=f"the first backward after {self._what}")
+        return optimizer
 
     def _stepped(self, optimizer: torch.optim.Optimizer) -> int:
         """How many of the parameters ``optimizer`` steps."""
