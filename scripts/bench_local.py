@@ -79,10 +79,7 @@ def run_one(rank: int, world: int, kind: str, options: dict[str, Any], steps: in
             opt.step()
     extra: dict[str, float] = {}
     if kind == "diloco":  # evaluate the global copy (between syncs the fragments differ per rank)
-        trainer.flush()
-        with torch.no_grad():
-            for p, g in zip(trainer.params, trainer.global_params):
-                p.copy_(g)
+        trainer.finish()  # merge the sync in flight and load the global copy into the model
         s = trainer.stats()
         extra = {k: s[k] for k in ("peak_bytes_in_flight", "sync_wait_s", "sync_transfer_s", "syncs")}
     with torch.no_grad():
