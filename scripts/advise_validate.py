@@ -1,18 +1,22 @@
-"""Check ``commpress advise`` against the step times ``docs/benchmarks.md`` measured.
+"""Check ``commpress advise`` against measured step times.
 
-    python scripts/advise_validate.py            # lm and wide-digits, 2 ranks, 1 Gbit/s
+    python scripts/advise_validate.py              # lm and wide-digits, 2 ranks, 1 Gbit/s, measured now
+    python scripts/advise_validate.py --from-doc   # against the tables of docs/benchmarks.md instead
     python scripts/advise_validate.py --tolerance 0.15
 
-Reads the measured median step of every option from the time-to-accuracy tables of
-``docs/benchmarks.md`` (``### lm: ...`` and ``### Communication-bound SGD workload (wide-digits)``,
-their "2 ranks, 1gbit" table), runs the advice for the same workload, world size and link on
+By default it measures the median step of every option now, side by side with the advice
+(``scripts/bench_e2e.py --tta`` on the same workload, 2 ranks, 1 Gbit/s shaped links, 120 steps:
+past the 50 warm-up steps, so the median is a compressed step; about 9 min for both workloads):
+prediction and measurement then see the same machine on the same day. ``--from-doc`` reads the
+medians from the time-to-accuracy sections of ``docs/benchmarks.md`` instead (the
+``<!-- tta-<workload>:start -->`` sections ``bench_e2e.py --tta`` writes, their "2 ranks, 1gbit"
+table), which holds only when this machine is as fast as it was that day. It runs the advice for the same workload, world size and link on
 this machine (``commpress advise`` under torchrun with 2 local ranks: compute and codec costs
 measured by both at once, as the benchmark's ranks shared the machine), and prints a markdown table of predicted
 against measured with the error of each row. Rows whose run was not in its steady state are
 listed and left out of the verdict: random-k with AdamW on the LM, where the divergence guard
 ran dense windows (``docs/benchmarks.md``, "Random-k with AdamW"), so its median step is not a
-compressed step. PowerSGD is not priced by the cost model. Run it on a quiet machine: the
-measured tables were. Exit code 1 when a row is off by more than the tolerance.
+compressed step. PowerSGD is not priced by the cost model. Run it on a quiet machine. Exit code 1 when a row is off by more than the tolerance.
 """
 
 from __future__ import annotations
@@ -25,11 +29,16 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
 
+from bench_e2e import tta_markers  # noqa: E402  (scripts/ is not a package)
 
-SECTIONS = {"lm": "### lm: byte-level LM", "wide-digits": "### Communication-bound SGD workload (wide-digits)"}
+WORKLOADS = ["lm", "wide-digits"]
+MEASURE_METHODS = "allreduce;fp16;cp-topk:ratio=0.01;cp-sign;cp-qsgd;cp-randomk:ratio=0.01"
+MEASURE_STEPS = 120  # > 50 warm-up steps: the median is a compressed step
 LABELS = {  # row label prefix in the docs -> advise's option
     "PyTorch all-reduce": "dense", "PyTorch fp16_compress_hook": "fp16", "commpress `topk": "topk",
     "commpress `sign": "sign", "commpress `qsgd": "qsgd", "commpress `randomk": "randomk", "commpress `auto": "auto",
@@ -37,10 +46,19 @@ LABELS = {  # row label prefix in the docs -> advise's option
 NOT_STEADY = {("lm", "randomk"): "the divergence guard ran dense windows in the measured run"}
 
 
+def _option(method_label: str) -> str | None:
+    return next((o for prefix, o in LABELS.items() if method_label.startswith(prefix)), None)
+
+
 def measured_steps(doc: str, workload: str, table: str = "2 ranks, 1gbit") -> dict[str, float]:
     """Option -> measured median step (s) from the workload's ``table`` in ``doc``."""
-    start = doc.index(SECTIONS[workload])
-    text = doc[start:]
+    start_marker, end_marker = tta_markers(workload)
+    if start_marker not in doc:
+        raise SystemExit(f"docs/benchmarks.md has no {start_marker} section: run "
+                         f"`python scripts/bench_e2e.py --tta --workloads {workload} --ranks 2 --links 1gbit` first")
+    text = doc[doc.index(start_marker):doc.index(end_marker)]
+    if table not in text:
+        raise SystemExit(f"the {workload} section of docs/benchmarks.md has no {table!r} table")
     text = text[text.index(table):]
     lines = text.splitlines()
     head = next(i for i, line in enumerate(lines) if line.startswith("| method"))
@@ -51,10 +69,30 @@ def measured_steps(doc: str, workload: str, table: str = "2 ranks, 1gbit") -> di
         if not line.startswith("|"):
             break
         cells = [c.strip() for c in line.strip("|").split("|")]
-        option = next((o for prefix, o in LABELS.items() if cells[0].startswith(prefix)), None)
+        option = _option(cells[0])
         if option is not None and "tuned" not in cells[0]:
             out[option] = float(cells[col])
     return out
+
+
+def measure_now(workload: str, world: int = 2, link: str = "1gbit", steps: int = MEASURE_STEPS) -> dict[str, float]:
+    """Option -> median step (s) measured now by ``bench_e2e.py --tta`` (its doc and plot go to a temp dir)."""
+    from bench_e2e import tta_label
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "runs.json")
+        cmd = [sys.executable, os.path.join(HERE, "bench_e2e.py"), "--tta", "--workloads", workload, "--ranks", str(world),
+               "--links", link, "--lm-steps", str(steps), "--digits-steps", str(steps), "--methods", MEASURE_METHODS,
+               "--doc", os.path.join(tmp, "doc.md"), "--img", tmp, "--json", out]
+        subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+        with open(out) as f:
+            runs = json.load(f)
+    medians: dict[str, float] = {}
+    for r in runs[0]["results"]:
+        option = _option(tta_label(r["method"]))
+        if option is not None:
+            medians[option] = r["median_step_s"]
+    return medians
 
 
 def advise_run(workload: str, world: int = 2, link: str = "1gbit") -> dict:
@@ -74,17 +112,21 @@ def advise_run(workload: str, world: int = 2, link: str = "1gbit") -> dict:
 def main(argv: list[str] | None = None) -> int:
     """Print predicted vs measured per workload and option; exit 1 past the tolerance."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    ap.add_argument("--workloads", nargs="+", default=list(SECTIONS), choices=list(SECTIONS))
+    ap.add_argument("--workloads", nargs="+", default=WORKLOADS, choices=WORKLOADS)
+    ap.add_argument("--from-doc", action="store_true",
+                    help="compare with the tables of docs/benchmarks.md instead of measuring now")
     ap.add_argument("--tolerance", type=float, default=0.15, help="largest relative error allowed (default 0.15)")
     args = ap.parse_args(argv)
-    with open(os.path.join(ROOT, "docs", "benchmarks.md")) as f:
-        doc = f.read()
+    doc = ""
+    if args.from_doc:
+        with open(os.path.join(ROOT, "docs", "benchmarks.md")) as f:
+            doc = f.read()
     print("| workload | option | measured step (s) | predicted step (s) | error |")
     print("|---|---|---|---|---|")
     worst, failed = 0.0, []
     for workload in args.workloads:
-        measured = measured_steps(doc, workload)
         advice = advise_run(workload)
+        measured = measured_steps(doc, workload) if args.from_doc else measure_now(workload)
         options = {o["name"]: o for o in advice["options"]}
         for name, t in measured.items():
             pred = options[name]["step_s"]

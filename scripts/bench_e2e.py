@@ -16,7 +16,8 @@ AdamW, communication-bound at 1 Gbit/s; ``digits``: the 64-256-256-10 MLP with t
 SGD(lr=0.1, momentum=0.9)). Each method trains from the same initialisation on the same
 batches; the tables give held-out loss (and accuracy) at equal steps, the median step time and
 the training time to dense's final loss x 1.02 (accuracy - 1 point), written between the tta
-markers of docs/benchmarks.md with a loss-vs-time plot (docs/img/tta_loss_vs_time.png):
+markers of docs/benchmarks.md, one section per workload (a run of one workload replaces only
+its own), with a loss-vs-time plot per workload (docs/img/tta_<workload>.png):
 
     sudo python scripts/bench_e2e.py --tta           # 2 and 4 ranks on 1 Gbit/s, every method
     sudo python scripts/bench_e2e.py --tta --quick   # 2 ranks, 4 methods, fewer steps
@@ -191,12 +192,23 @@ def plot(quality: dict[str, Any], runs: dict[tuple[str, int], dict[str, Any]], i
     return paths
 
 
-def write_doc(path: str, body: list[str], start: str = START, end: str = END) -> None:
-    """Put ``body`` between the ``start`` and ``end`` markers of ``path`` (appended when absent)."""
-    text = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
+def _read(path: str) -> str:
+    return open(path).read() if os.path.exists(path) else "# Benchmarks\n"
+
+
+def write_doc(path: str, body: list[str], start: str = START, end: str = END, before: str | None = None) -> None:
+    """Put ``body`` between the ``start`` and ``end`` markers of ``path``.
+
+    Absent markers are inserted just before the ``before`` marker when the file has it, else
+    appended: a run of one workload replaces that workload's section and nothing else.
+    """
+    text = _read(path)
     block = "\n".join([start, *body, end])
     if start in text and end in text:
         text = text[: text.index(start)] + block + text[text.index(end) + len(end):]
+    elif before is not None and before in text:
+        at = text.index(before)
+        text = text[:at] + block + "\n" + text[at:]
     else:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     with open(path, "w") as f:
@@ -216,6 +228,13 @@ TTA_METHODS = [
 ]
 TTA_QUICK_METHODS = ["allreduce", "fp16", "cp-topk:ratio=0.01", "cp-sign"]
 TTA_START, TTA_END = "<!-- tta:start -->", "<!-- tta:end -->"
+
+
+def tta_markers(workload: str) -> tuple[str, str]:
+    """The markers around one workload's time-to-accuracy section (read by scripts/advise_validate.py)."""
+    return f"<!-- tta-{workload}:start -->", f"<!-- tta-{workload}:end -->"
+
+
 LOSS_TARGET = 1.02  # time to dense's final held-out loss x 1.02
 ACC_TARGET = 1.0  # time to dense's final held-out accuracy minus 1 point (digits)
 TTA_WORKLOADS = {
@@ -331,14 +350,13 @@ def tta_main(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump([{"key": list(k), **v} for k, v in runs.items()], f)
-    png = os.path.join(args.img, "tta_loss_vs_time.png")
-    tta_plot(runs, png)
-    body = [
+    command = f"python scripts/bench_e2e.py {shlex.join(sys.argv[1:])}"
+    intro = [
         "## Time to accuracy on communication-bound workloads",
         "",
-        f"Command: `python scripts/bench_e2e.py {shlex.join(sys.argv[1:])}` ({wall / 60:.1f} min); torch {torch.__version__}, "
-        f"{os.cpu_count()} CPU cores, gloo, one thread per rank; links "
-        f"{'shaped with tc tbf in network namespaces' if shaped else 'NOT shaped (no root): loopback'}. "
+        f"Measured with `python scripts/bench_e2e.py --tta ...` (the command of each table is under its heading); "
+        f"torch {torch.__version__}, {os.cpu_count()} CPU cores, gloo, one thread per rank; links shaped with tc tbf "
+        "in network namespaces (loopback when not root, said in the table's line). "
         "Every method trains the same model from the same initialisation on the same batches. Baselines: "
         "DDP's all-reduce, PyTorch's fp16_compress_hook and powerSGD_hook (rank 4, error feedback, warm start, "
         "one bucket). commpress rows without options are `commpress.ddp.register(ddp, name, **params)` at the "
@@ -348,16 +366,25 @@ def tta_main(args: argparse.Namespace) -> int:
         "sees the same number of samples (4 ranks train half the steps of 2 ranks).",
         "",
     ]
+    if TTA_START not in _read(args.doc):
+        write_doc(args.doc, intro, TTA_START, TTA_END)
+    pngs = []
     for workload in args.workloads:
         first = next(v for k, v in runs.items() if k[0] == workload)
-        body += [f"### {workload}: " + TTA_WORKLOADS[workload].format(lr=first["lr"], batch=first["batch"]), ""]
+        png = os.path.join(args.img, f"tta_{workload.replace('-', '_')}.png")
+        tta_plot({k: v for k, v in runs.items() if k[0] == workload}, png)
+        pngs.append(png)
+        body = [f"### {workload}: " + TTA_WORKLOADS[workload].format(lr=first["lr"], batch=first["batch"]), "",
+                f"Command: `{command}` ({wall / 60:.1f} min for the whole run, {time.strftime('%Y-%m-%d')}; links "
+                f"{'shaped with tc tbf' if shaped else 'NOT shaped (no root): loopback'}).", ""]
         for (w, link, world), data in runs.items():
             if w == workload:
                 body += [f"{world} ranks, {link}, {data['steps']} steps:", "", *tta_table(data), ""]
-    body.append(f"![{os.path.basename(png)}](img/{os.path.basename(png)})")
-    print("\n".join(body))
-    write_doc(args.doc, body, TTA_START, TTA_END)
-    print(f"\n[bench_e2e] {wall / 60:.1f} min; wrote {args.doc} and {png}", file=sys.stderr)
+        body.append(f"![{os.path.basename(png)}](img/{os.path.basename(png)})")
+        print("\n".join(body))
+        start, end = tta_markers(workload)
+        write_doc(args.doc, body, start, end, before=TTA_END)
+    print(f"\n[bench_e2e] {wall / 60:.1f} min; wrote {args.doc} and {', '.join(pngs)}", file=sys.stderr)
     return 0
 
 

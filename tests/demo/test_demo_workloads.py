@@ -101,3 +101,32 @@ def test_wide_digits_is_the_17m_sgd_workload_with_accuracy():
          "final_accuracy": 90.0, "median_step_s": 0.1, "claimed_wire_bytes_per_step": 1e6},
     ]}
     assert "accuracy %" in bench.tta_table(data)[2]
+
+
+def test_tta_section_of_one_workload_replaces_only_its_own(tmp_path):
+    bench = _bench()
+    doc = tmp_path / "b.md"
+    doc.write_text("# B\n\n" + bench.TTA_START + "\nintro\n" + bench.TTA_END + "\n\n## after\n")
+    for workload, text in (("lm", "lm v1"), ("wide-digits", "wide v1"), ("lm", "lm v2")):
+        start, end = bench.tta_markers(workload)
+        bench.write_doc(str(doc), [text], start, end, before=bench.TTA_END)
+    out = doc.read_text()
+    assert "lm v2" in out and "lm v1" not in out and "wide v1" in out
+    # both sections inside the tta block, the rest of the file kept
+    assert out.index(bench.TTA_START) < out.index("lm v2") < out.index(bench.TTA_END) < out.index("## after")
+    assert out.index("wide v1") < out.index(bench.TTA_END)
+
+
+def test_advise_validate_reads_the_workload_section_by_its_markers():
+    bench = _bench()
+    spec = importlib.util.spec_from_file_location("advise_validate", ROOT / "scripts" / "advise_validate.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    start, end = bench.tta_markers("lm")
+    table = ["2 ranks, 1gbit, 200 steps:", "", "| method | held-out loss | median step (s) |", "|---|---|---|",
+             "| PyTorch all-reduce (no hook) | 2.5 | 0.5000 |", "| commpress `sign` + `optimizer=opt` (defaults) | 2.5 | 0.2500 |",
+             "| commpress `sign` (tuned: `x=1`) | 2.5 | 0.1000 |", ""]
+    doc = "\n".join(["4 ranks, 1gbit:", start, *table, end, "| commpress `topk` | 1 | 9.0 |"])
+    assert mod.measured_steps(doc, "lm") == {"dense": 0.5, "sign": 0.25}
+    with pytest.raises(SystemExit, match="tta-wide-digits"):
+        mod.measured_steps(doc, "wide-digits")
