@@ -33,12 +33,14 @@ import os
 import signal
 import sys
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 logger = logging.getLogger("commpress")
 
@@ -49,6 +51,8 @@ EXIT_CODE = 143
 #: seconds each rank waits for the other ranks' ``save`` to finish before it exits anyway
 SAVE_TIMEOUT_S = 300.0
 _AUTO = "auto"
+#: ``optimizer=`` of :class:`PreemptionHandler`: count the steps of the first optimizer that steps
+FIRST_TO_STEP = "first-to-step"
 
 
 def stop_step(posted_at: int, check_every: int = 1) -> int:
@@ -101,8 +105,11 @@ class PreemptionHandler:
         signals: the signals that request the stop (installed in the main thread).
         exit_code: the process's exit status after the save (None: do not exit).
         check_every: read the store every this many steps (1: every step).
-        optimizer: the optimizer whose ``step()`` ends a step (a step post-hook is registered),
-            or None to call :meth:`step_done` yourself.
+        optimizer: the optimizer whose ``step()`` ends a step (a step post-hook is registered);
+            :data:`FIRST_TO_STEP`: the first optimizer that steps after this handler is built (a
+            global step post-hook, :func:`torch.optim.optimizer.register_optimizer_step_post_hook`;
+            later steps of other optimizers are not counted); or None to call :meth:`step_done`
+            yourself.
         start_step: steps already done before this handler (after a resume).
         store: the c10d store to agree through (default: the process group's).
         save_timeout: seconds to wait for the other ranks' saves before exiting anyway.
@@ -116,7 +123,7 @@ class PreemptionHandler:
         signals: Sequence[int] = (signal.SIGTERM,),
         exit_code: int | None = EXIT_CODE,
         check_every: int = 1,
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: torch.optim.Optimizer | str | None = None,
         start_step: int = 0,
         store: Any = None,
         save_timeout: float = SAVE_TIMEOUT_S,
@@ -158,7 +165,13 @@ class PreemptionHandler:
         for sig in signals:
             self._previous[sig] = signal.signal(sig, self._on_signal)
             signal.siginterrupt(sig, False)  # SA_RESTART: a system call the signal lands in resumes
-        self._hook = None if optimizer is None else optimizer.register_step_post_hook(self._after_step)
+        self._counted: weakref.ref[torch.optim.Optimizer] | None = None
+        if optimizer == FIRST_TO_STEP:
+            self._hook = register_optimizer_step_post_hook(self._after_first_to_step)
+        elif isinstance(optimizer, str):
+            raise ValueError(f"optimizer must be an Optimizer, None or {FIRST_TO_STEP!r}, got {optimizer!r}")
+        else:
+            self._hook = None if optimizer is None else optimizer.register_step_post_hook(self._after_step)
 
     # ----- the signal handler: a flag, nothing else ------------------------------------------
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
@@ -167,6 +180,14 @@ class PreemptionHandler:
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.step_done()
+
+    def _after_first_to_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._counted is None:
+            self._counted = weakref.ref(optimizer)
+            logger.info("commpress: preemption: counting the steps of %s (the first optimizer to step)",
+                        type(optimizer).__name__)
+        if self._counted() is optimizer:
+            self.step_done()
 
     # ----- at the end of each step ------------------------------------------------------------
     @property
@@ -290,7 +311,9 @@ def install_preemption_handler(
             :meth:`PreemptionHandler.step_done` returns True and your loop breaks).
         check_every: read the store every this many steps.
         optimizer: ``"auto"`` (default): the optimizer ``state`` was registered with
-            (``optimizer=opt``); an optimizer; or None to call
+            (``optimizer=opt``) or has found, else the first optimizer that steps
+            (:data:`FIRST_TO_STEP`: a state registered without ``optimizer=`` finds the user's
+            only at its first step); an optimizer; or None to call
             :meth:`PreemptionHandler.step_done` after each step yourself.
         start_step: steps already done (after a resume): ``save`` receives the total.
         save_timeout: seconds to wait for the other ranks' saves before exiting anyway.
@@ -309,12 +332,7 @@ def install_preemption_handler(
     if isinstance(optimizer, str):
         if optimizer != _AUTO:
             raise ValueError(f"optimizer must be an Optimizer, None or {_AUTO!r}, got {optimizer!r}")
-        optimizer = getattr(state, "optimizer", None)
-        if optimizer is None:
-            raise ValueError(
-                "install_preemption_handler: no optimizer known to the state (register it with optimizer=opt): "
-                "pass optimizer=opt, or optimizer=None and call handler.step_done() after each optimizer step"
-            )
+        optimizer = getattr(state, "optimizer", None) or FIRST_TO_STEP
     return PreemptionHandler(
         save, group=getattr(state, "process_group", None), signals=signals, exit_code=exit_code,
         check_every=check_every, optimizer=optimizer, start_step=start_step, save_timeout=save_timeout,

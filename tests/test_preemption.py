@@ -30,12 +30,12 @@ ROOT = WORKERS.parent.parent
 TOTAL, SIGNAL_AT, WORLD = 12, 5, 2
 
 
-def _run_ranks(phase: str, tmp: Path, outdir: Path) -> list[subprocess.Popen[bytes]]:
+def _run_ranks(phase: str, tmp: Path, outdir: Path, kind: str = "ddp") -> list[subprocess.Popen[bytes]]:
     init = tmp / f"init-{phase}"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     return [
         subprocess.Popen(
-            [sys.executable, str(WORKERS), phase, str(rank), str(WORLD), str(init), str(outdir), str(TOTAL), "1", str(SIGNAL_AT)],
+            [sys.executable, str(WORKERS), phase, str(rank), str(WORLD), str(init), str(outdir), str(TOTAL), "1", str(SIGNAL_AT), kind],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         )
         for rank in range(WORLD)
@@ -57,8 +57,10 @@ def _wait(procs: list[subprocess.Popen[bytes]], timeout: float = 120.0) -> list[
 
 
 @pytest.mark.timeout(240)
-def test_sigterm_on_one_rank_saves_every_rank_at_one_step_and_resumes_bit_exact(tmp_path: Path) -> None:
-    results = _wait(_run_ranks("preempt", tmp_path, tmp_path))
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_sigterm_on_one_rank_saves_every_rank_at_one_step_and_resumes_bit_exact(tmp_path: Path, kind: str) -> None:
+    """DDP (per-rank files) and FSDP2 (one ``torch.distributed.checkpoint`` with ``state.dcp()``)."""
+    results = _wait(_run_ranks("preempt", tmp_path, tmp_path, kind))
     for rank, (code, out) in enumerate(results):
         assert code == EXIT_CODE, f"rank {rank} exited with {code}, expected {EXIT_CODE}:\n{out}"
     saved = [json.loads((tmp_path / f"saved-rank{rank}.json").read_text()) for rank in range(WORLD)]
@@ -67,7 +69,7 @@ def test_sigterm_on_one_rank_saves_every_rank_at_one_step_and_resumes_bit_exact(
     assert [s["step"] for s in saved] == [expected] * WORLD, saved
     assert [s["signalled"] for s in saved] == [None, int(signal.SIGTERM)], saved
     # fresh processes: the uninterrupted reference, then the restart from the saved files
-    for code, out in _wait(_run_ranks("resume", tmp_path, tmp_path)):
+    for code, out in _wait(_run_ranks("resume", tmp_path, tmp_path, kind)):
         assert code == 0, out
     finals = [torch.load(tmp_path / f"final-full-rank{r}.pt", weights_only=True) for r in range(WORLD)]
     assert torch.equal(finals[0], finals[1]), "the uninterrupted run's ranks differ"
@@ -161,6 +163,20 @@ def test_ranks_agree_through_the_store_with_check_every(no_process_group: None) 
     assert [h.stop_step for h in handlers] == [7, 7]
 
 
-def test_install_needs_to_know_the_optimizer(no_process_group: None) -> None:
-    with pytest.raises(ValueError, match="optimizer=None and call handler.step_done"):
-        commpress.install_preemption_handler(None, lambda step: None)
+def test_without_a_known_optimizer_it_counts_the_first_optimizer_to_step(no_process_group: None) -> None:
+    """A state registered without ``optimizer=`` knows none yet: the first optimizer that steps is counted."""
+    w = torch.nn.Parameter(torch.ones(2))
+    a, b = torch.optim.SGD([w], lr=0.1), torch.optim.SGD([w], lr=0.1)
+    handler = commpress.install_preemption_handler(None, lambda step: None, exit_code=None)
+    try:
+        for opt in (a, b, a, b, a):
+            w.grad = torch.ones(2)
+            opt.step()
+        assert handler.step == 3  # a's steps only
+    finally:
+        handler.close()
+    w.grad = torch.ones(2)
+    a.step()
+    assert handler.step == 3  # closed: the global hook is gone
+    with pytest.raises(ValueError, match="optimizer must be"):
+        PreemptionHandler(lambda step: None, optimizer="the-first")
