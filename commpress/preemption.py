@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils.hooks import RemovableHandle
 
 logger = logging.getLogger("commpress")
 
@@ -130,6 +131,8 @@ class PreemptionHandler:
     ) -> None:
         if not callable(save):
             raise TypeError(f"save must be callable as save(step), got {type(save).__name__}")
+        if isinstance(optimizer, str) and optimizer != FIRST_TO_STEP:
+            raise ValueError(f"optimizer must be an Optimizer, None or {FIRST_TO_STEP!r}, got {optimizer!r}")
         if not isinstance(check_every, int) or check_every < 1:
             raise ValueError(f"check_every must be a positive int, got {check_every!r}")
         if exit_code is not None and not (isinstance(exit_code, int) and 0 <= exit_code <= 255):
@@ -166,12 +169,11 @@ class PreemptionHandler:
             self._previous[sig] = signal.signal(sig, self._on_signal)
             signal.siginterrupt(sig, False)  # SA_RESTART: a system call the signal lands in resumes
         self._counted: weakref.ref[torch.optim.Optimizer] | None = None
+        self._hook: RemovableHandle | None = None
         if optimizer == FIRST_TO_STEP:
             self._hook = register_optimizer_step_post_hook(self._after_first_to_step)
-        elif isinstance(optimizer, str):
-            raise ValueError(f"optimizer must be an Optimizer, None or {FIRST_TO_STEP!r}, got {optimizer!r}")
-        else:
-            self._hook = None if optimizer is None else optimizer.register_step_post_hook(self._after_step)
+        elif optimizer is not None:
+            self._hook = optimizer.register_step_post_hook(self._after_step)
 
     # ----- the signal handler: a flag, nothing else ------------------------------------------
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
