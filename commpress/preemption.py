@@ -172,7 +172,7 @@ class PreemptionHandler:
         self._hook: RemovableHandle | None = None
         if optimizer == FIRST_TO_STEP:
             self._hook = register_optimizer_step_post_hook(self._after_first_to_step)
-        elif optimizer is not None:
+        elif isinstance(optimizer, torch.optim.Optimizer):
             self._hook = optimizer.register_step_post_hook(self._after_step)
 
     # ----- the signal handler: a flag, nothing else ------------------------------------------
