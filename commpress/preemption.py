@@ -172,7 +172,7 @@ class PreemptionHandler:
         self._hook: RemovableHandle | None = None
         if optimizer == FIRST_TO_STEP:
             self._hook = register_optimizer_step_post_hook(self._after_first_to_step)
-        elif isinstance(optimizer, torch.optim.Optimizer):
+        elif optimizer is not None and not isinstance(optimizer, str):
             self._hook = optimizer.register_step_post_hook(self._after_step)
 
     # ----- the signal handler: a flag, nothing else ------------------------------------------
