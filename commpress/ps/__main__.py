@@ -7,7 +7,8 @@ Examples (the first ``--servers`` ranks serve, the others train)::
 
 Exit codes: 0 done; 2 bad options or checkpoint; 3 a worker timed out in sync mode; 4 a
 worker got no reply from a server; 5 a dropped worker never exited (training completed);
-1 anything else. Errors go to stderr naming the rank; rank 0 prints the summary on stdout.
+143 preempted: a rank got SIGTERM, every rank stopped after one agreed step and checkpointed
+there (with ``--checkpoint``; ``--resume`` continues); 1 anything else. Errors go to stderr naming the rank; rank 0 prints the summary on stdout.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import sys
 from typing import Any
 
+from ..preemption import EXIT_CODE
 from .config import MODES, PSConfig, codec_spec
 from .errors import ConfigError
 from .faults import parse_fault
@@ -72,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--checkpoint", metavar="DIR", help="save server shards, optimizer state and residuals here")
     g.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: at the end)")
     g.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in DIR")
+    g.add_argument("--no-preemption", action="store_true",
+                   help="leave SIGTERM's default (the rank dies) instead of stopping every rank at one step, "
+                        "checkpointing there and exiting with 143")
     g.add_argument("--no-progress", action="store_true", help="no progress bar on rank 0")
     g.add_argument("--log-dir", help="servers write JSON-lines event logs here (replies, staleness, drops)")
     g.add_argument("--out", metavar="FILE", help="rank 0 saves final parameters, metrics and stats (torch.save)")
@@ -91,7 +96,7 @@ def config_from(args: argparse.Namespace) -> PSConfig:
         max_drift=args.max_drift, max_push_norm=args.max_push_norm, resync_every=args.resync_every, timeout=args.timeout,
         checkpoint=args.checkpoint, checkpoint_every=args.checkpoint_every, resume=args.resume, seed=args.seed,
         progress=not args.no_progress, log_dir=args.log_dir, device=args.device, cuda_aware=args.cuda_aware,
-        faults=tuple(parse_fault(f) for f in args.fault),
+        faults=tuple(parse_fault(f) for f in args.fault), preemption=not args.no_preemption,
     )
     cfg.validate()
     return cfg
@@ -178,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(format_summary(report), flush=True)
     finish(result, comm)
-    return 0
+    return 0 if result.preempted is None else EXIT_CODE
 
 
 def format_summary(r: dict[str, Any]) -> str:

@@ -75,6 +75,9 @@ class PSConfig:
         cuda_aware: ``auto``/``yes``/``no``: hand MPI device buffers (via CuPy) instead of
             host copies.
         faults: testing only: fault injections (:mod:`commpress.ps.faults`).
+        preemption: turn SIGTERM on any rank into a stop of every rank at one step, with a
+            checkpoint there when ``checkpoint`` is set (:mod:`commpress.ps.preempt`); False
+            leaves SIGTERM's default (the rank dies).
     """
 
     servers: int = 1
@@ -98,6 +101,7 @@ class PSConfig:
     device: str = "cpu"
     cuda_aware: str = "auto"
     faults: tuple[Any, ...] = field(default_factory=tuple)
+    preemption: bool = True
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first bad option."""

@@ -17,6 +17,7 @@ hang         stops answering for ``seconds`` (default: forever), then carries on
 slow         sleeps ``seconds`` every step (a straggler)
 vanish       leaves its training loop without a goodbye and idles
 die          raises an exception (the process dies)
+sigterm      sends itself SIGTERM (a preemption: :mod:`commpress.ps.preempt`), then carries on
 ===========  ==========================================================================
 
 The message faults are sent *in addition to* the honest push, so a correct server rejects
@@ -25,6 +26,8 @@ them and trains exactly as if they had never been sent.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -39,7 +42,7 @@ from .errors import ConfigError, PSError
 from .protocol import HEADER, HEADER_NBYTES
 
 KINDS = ("corrupt", "truncate", "wrongshard", "spoof", "badwire", "garbage", "oversize",
-         "hang", "slow", "vanish", "die")
+         "hang", "slow", "vanish", "die", "sigterm")
 MESSAGE_KINDS = frozenset({"corrupt", "truncate", "wrongshard", "spoof", "badwire", "garbage", "oversize"})
 
 
@@ -136,3 +139,5 @@ def before_push(
         raise Vanish()
     elif kind == "die":
         raise FaultInjected(f"fault injected: worker {fault.worker} dies at step {step}")
+    elif kind == "sigterm":
+        os.kill(os.getpid(), signal.SIGTERM)

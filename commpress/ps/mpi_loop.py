@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from .errors import ProtocolError, PSError, ServerTimeout
+from .preempt import StopAgreement
 from .protocol import (
     DENSE,
     HEADER_NBYTES,
@@ -66,13 +67,15 @@ def serve(
     *,
     bar: Any = None,
     save: Callable[[int, dict[str, Any]], None] | None = None,
+    stop: StopAgreement | None = None,
 ) -> list[int]:
     """Run ``server`` on ``comm`` until every worker said goodbye or was dropped and abandoned.
 
     A dropped worker gets ``2 * timeout + 5`` seconds to come back, be told to stop and say
     goodbye; the ranks of those that never do are returned (they may hang: the caller ends
     the job). ``bar`` is a tqdm-like progress bar (rank 0), ``save(step, state)`` writes a
-    checkpoint. Raises :class:`WorkerTimeout` and other fatal :class:`PSError`; rejected
+    checkpoint, ``stop`` the preemption agreement (polled with liveness: the run ends at its
+    step). Raises :class:`WorkerTimeout` and other fatal :class:`PSError`; rejected
     messages are logged (``commpress`` logger) and counted. Liveness is checked at least every 50 ms,
     also while messages keep arriving.
     """
@@ -91,6 +94,8 @@ def serve(
         src = inbox.probe()
         if src is None or now - last_check > 0.05:
             last_check = now
+            if stop is not None and (at := stop.poll(server.furthest_step())) is not None:
+                server.stop_at(at)
             for dest, msg in server.check():
                 outbox.post(dest, msg)
             if all(w in server.done for w in range(server.W) if w not in server.dropped) and len(
@@ -163,8 +168,10 @@ def _update_bar(bar: Any, server: ShardServer, elapsed: float) -> None:
 
 
 # ----- the worker ---------------------------------------------------------------------------------
-def work(comm: Any, run: WorkerRun, *, device_buffers: bool = False) -> WorkerOutcome:
+def work(comm: Any, run: WorkerRun, *, device_buffers: bool = False, stop: StopAgreement | None = None) -> WorkerOutcome:
     """Carry ``run``'s messages on ``comm`` until it finished; every wait for replies has its deadline.
+
+    ``stop``: the preemption agreement, polled before each step (the run ends at its step).
 
     Raises :class:`ServerTimeout` when a server does not answer within the exchange's patience.
     """
@@ -188,6 +195,8 @@ def work(comm: Any, run: WorkerRun, *, device_buffers: bool = False) -> WorkerOu
                 )
             run.receive(*got)
         outbox.poll()
+        if stop is not None and (at := stop.poll(run.step)) is not None:
+            run.stop_at(at)
         out = run.advance()
     outcome = run.outcome
     if not outcome.vanished:

@@ -22,6 +22,7 @@ from . import checkpoint, mpi_loop
 from .config import PSConfig, codec_spec
 from .errors import ConfigError, PSError
 from .faults import Fault, parse_fault
+from .preempt import StopAgreement
 from .protocol import DENSE, MsgType, build, segment_parts
 from .server import ShardServer
 from .sharding import Layout, fingerprint
@@ -79,6 +80,8 @@ class RunResult:
     seconds: float = 0.0
     stopped: str | None = None
     abandoned: list[int] = field(default_factory=list)
+    #: the step every rank stopped after on a SIGTERM (:mod:`.preempt`), or None
+    preempted: int | None = None
 
     def load_into(self, model: torch.nn.Module) -> torch.nn.Module:
         """Copy the final parameters into ``model`` (same architecture) and return it."""
@@ -165,14 +168,28 @@ def _run(task: Task, cfg: PSConfig, comm: Any) -> RunResult:
         checkpoint.save(ckpt_dir, rank, step, state)
 
     t0 = time.monotonic()
-    if rank < S:
-        return _serve(task, cfg, comm, layout, model, rank, W, fp, resume_step, save if ckpt_dir else None, t0)
-    return _work(task, cfg, comm, layout, model, rank - S, W, fp, resume_step, save if ckpt_dir else None, t0)
+    stop = StopAgreement(comm) if cfg.preemption else None
+    try:
+        if rank < S:
+            result = _serve(task, cfg, comm, layout, model, rank, W, fp, resume_step, save if ckpt_dir else None, t0, stop)
+        else:
+            result = _work(task, cfg, comm, layout, model, rank - S, W, fp, resume_step, save if ckpt_dir else None, t0,
+                           stop)
+    finally:
+        if stop is not None:
+            stop.close()
+    if stop is not None and stop.stop_step is not None:
+        result.preempted = stop.stop_step
+        if rank == 0:
+            _log(rank, f"preempted: every rank stopped after step {stop.stop_step}"
+                 + (f"; checkpoint in {ckpt_dir} (continue with --resume)" if ckpt_dir
+                    else "; nothing saved (no --checkpoint directory)"))
+    return result
 
 
 def _serve(task: Task, cfg: PSConfig, comm: Any, layout: Layout, model: torch.nn.Module, s: int, W: int,
            fp: int, resume_step: int | None, save: Callable[[int, dict[str, Any]], None] | None,
-           t0: float) -> RunResult:
+           t0: float, stop: StopAgreement | None = None) -> RunResult:
     flat = layout.flatten(p for _, p in model.named_parameters() if p.requires_grad)
     shard = layout.shards[s]
     log = EventLog(cfg.log_dir, s)
@@ -189,7 +206,7 @@ def _serve(task: Task, cfg: PSConfig, comm: Any, layout: Layout, model: torch.nn
         bar = tqdm(total=cfg.steps, initial=server.progress(), desc=f"commpress.ps {cfg.mode}",
                    unit="step", file=sys.stderr, mininterval=0.25, dynamic_ncols=True)
     try:
-        abandoned = mpi_loop.serve(comm, server, bar=bar, save=save)
+        abandoned = mpi_loop.serve(comm, server, bar=bar, save=save, stop=stop)
     finally:
         if bar is not None:
             bar.close()
@@ -222,7 +239,7 @@ def _serve(task: Task, cfg: PSConfig, comm: Any, layout: Layout, model: torch.nn
 
 def _work(task: Task, cfg: PSConfig, comm: Any, layout: Layout, model: torch.nn.Module, w: int, W: int,
           fp: int, resume_step: int | None, save: Callable[[int, dict[str, Any]], None] | None,
-          t0: float) -> RunResult:
+          t0: float, stop: StopAgreement | None = None) -> RunResult:
     try:
         device = torch.device(cfg.device)
     except RuntimeError as exc:
@@ -239,7 +256,7 @@ def _work(task: Task, cfg: PSConfig, comm: Any, layout: Layout, model: torch.nn.
         node.load_state_dict(checkpoint.load(cfg.checkpoint, comm.Get_rank(), resume_step, like=node.state_dict()))
         start = resume_step
     run = WorkerRun(node, loss=task.loss, batch=task.batch, workers=W, start=start, faults=_faults(cfg), save=save)
-    outcome: WorkerOutcome = mpi_loop.work(comm, run, device_buffers=device_buffers)
+    outcome: WorkerOutcome = mpi_loop.work(comm, run, device_buffers=device_buffers, stop=stop)
     finished = outcome.stopped is None and not outcome.vanished
     return RunResult(
         "worker", comm.Get_rank(), w, layout,

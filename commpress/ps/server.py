@@ -122,6 +122,7 @@ class ShardServer:
         self.optimizer = optimizer(params)
         self.mode = config.mode
         self.step = 0                      # sync: the step being collected
+        self.end = config.steps            # the run's last step (earlier when preempted: stop_at)
         self.clock = [0] * workers         # pushes applied per worker
         self.pending: dict[int, torch.Tensor | None] = {}
         self.held: set[int] = set()        # ssp: workers whose reply is held back
@@ -161,7 +162,7 @@ class ShardServer:
     def min_clock(self) -> int:
         """Clock of the slowest live worker (``steps`` when none is left)."""
         live = self.live()
-        return min(self.clock[w] for w in live) if live else self.cfg.steps
+        return min(self.clock[w] for w in live) if live else self.end
 
     def finished(self) -> bool:
         """Every worker said goodbye or was dropped."""
@@ -240,7 +241,7 @@ class ShardServer:
         self.last_heard[worker] = self.now()
         self.joined.add(worker)
         if self.mode == "sync":
-            if step < self.cfg.steps:  # start or resume: the workers' copy is the replica
+            if step < self.end:  # start or resume: the workers' copy is the replica
                 return [(sender, self.replies.params(worker, self.replica[BROADCAST], step, worker))]
             return [(sender, self.replies.params(worker, self.x, step, worker))]
         self.clock[worker] = step  # async/ssp: a (re)joining worker brings its own step
@@ -251,9 +252,9 @@ class ShardServer:
     def _on_bye(self, worker: int, step: int, sender: int) -> Out:
         if worker not in self.joined:
             raise ProtocolError("BYE before the worker's first PULL", sender)
-        if self.mode == "sync" and step < self.cfg.steps:
+        if self.mode == "sync" and step < self.end:
             raise ProtocolError(
-                f"BYE at step {step} of {self.cfg.steps}: sync mode cannot continue without this worker, so it is "
+                f"BYE at step {step} of {self.end}: sync mode cannot continue without this worker, so it is "
                 "still waited for (the run stops if it stays silent)", sender,
             )
         self.done.add(worker)
@@ -270,8 +271,8 @@ class ShardServer:
             raise ProtocolError(f"step: duplicate push for step {step}", sender)
         if step != expect:
             raise ProtocolError(f"step: push for step {step}, expected step {expect}", sender)
-        if step >= self.cfg.steps:
-            raise ProtocolError(f"step: push for step {step}, the run has {self.cfg.steps} steps", sender)
+        if step >= self.end:
+            raise ProtocolError(f"step: push for step {step}, the run has {self.end} steps", sender)
         t0 = time.perf_counter()
         grad: torch.Tensor | None = None
         if skip:
@@ -404,7 +405,7 @@ class ShardServer:
         last = getattr(self, "_last_saved", None)
         if step == last:
             return None
-        if (every and step % every == 0 and step > 0) or step >= self.cfg.steps:
+        if (every and step % every == 0 and step > 0) or step >= self.end:
             return step
         return None
 
@@ -439,6 +440,14 @@ class ShardServer:
         if self.mode == "sync":
             self.replica[BROADCAST].copy_(state["replica"])
         self._last_saved = self.progress()
+
+    def furthest_step(self) -> int:
+        """The furthest step this server knows of (its own in sync mode, the workers' clocks)."""
+        return max(self.step, *self.clock)
+
+    def stop_at(self, step: int) -> None:
+        """End the run after ``step`` (preemption: :mod:`.preempt`); checkpoints are due there."""
+        self.end = min(self.end, step)
 
     def mark_saved(self, step: int) -> None:
         """Remember that ``step`` was saved."""

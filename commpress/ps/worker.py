@@ -210,6 +210,7 @@ class WorkerRun:
         self.node, self.loss, self.batch, self.W = node, loss, batch, workers
         self.start, self.faults, self.save = start, faults, save
         self.step = start
+        self.end = node.cfg.steps  #: the run's last step (earlier when preempted: :meth:`stop_at`)
         self.stop: str | None = None  #: the first STOP reason of the current exchange ("server s: ...")
         self.waiting: set[int] = set()  #: servers whose reply the current exchange still needs
         self.patience = 0.0
@@ -251,7 +252,7 @@ class WorkerRun:
             logger.warning("[commpress.ps worker %d] stopping at step %d: %s", node.worker, self.step, self.stop)
             return self._goodbye()
         step = self.step
-        if step < cfg.steps:
+        if step < self.end:
             if self.save is not None and cfg.checkpoint_every and step > self.start and step % cfg.checkpoint_every == 0:
                 self.save(step, node.state_dict())
             value, grad = node.compute(self.loss, self.batch(node.worker, self.W, step))
@@ -271,6 +272,13 @@ class WorkerRun:
             self.save(step, node.state_dict())
         self._phase = "final"
         return self._exchange(node.pull(step), step, patience)  # exact final parameters
+
+    def stop_at(self, step: int) -> None:
+        """End the run after ``step`` (preemption, :mod:`.preempt`): checkpoint there, then goodbye."""
+        if step < self.step + (self._phase == "train"):
+            logger.error("[commpress.ps worker %d] asked to stop at step %d but already at step %d: its "
+                         "checkpoint will not match the servers'", self.node.worker, step, self.step)
+        self.end = min(self.end, max(step, self.step + (self._phase == "train")))
 
     def _goodbye(self) -> Out:
         self.finished = True

@@ -162,3 +162,25 @@ def test_cli_errors_without_mpirun():
     for flag, value in (("--batch-size", "-5"), ("--batch-size", "0"), ("--lr", "nan"), ("--lr", "-1")):
         neg = subprocess.run([sys.executable, "-m", "commpress.ps", flag, value], capture_output=True, text=True, env=ENV)
         assert neg.returncode == 2 and f"{flag} must be" in neg.stderr, (flag, value, neg.stderr)
+
+
+def test_sigterm_on_one_worker_stops_every_rank_at_one_step_with_a_checkpoint_and_resumes_exactly(tmp_path):
+    """Preemption (:mod:`commpress.ps.preempt`): exit 143 on every rank, one complete checkpoint, --resume exact."""
+    ck = tmp_path / "ck"
+    common = ["--servers", "2", "--codec", "topk:ratio=0.1", "--pull-codec", "sign", "--max-drift", "0.05",
+              "--checkpoint", str(ck), "--steps", "16"]
+    proc = ps(4, *common, "--fault", "sigterm:worker=1,step=5")
+    assert proc.returncode == 143, f"rc={proc.returncode}\n{proc.stderr[-4000:]}"
+    assert "got signal 15" in proc.stderr and "preempted: every rank stopped after step" in proc.stderr
+    stop = int(re.search(r"every rank stopped after step (\d+)", proc.stderr).group(1))
+    assert 5 < stop < 16
+    assert sorted(n for n in os.listdir(ck) if n.endswith(".pt")) == [
+        f"rank{r:05d}-step{stop:09d}.pt" for r in range(4)]  # every rank saved that one step, nothing else
+    resumed = ps(4, *common, "--resume", "--out", str(tmp_path / "b.pt"))
+    report(resumed)
+    assert f"resuming from step {stop}" in resumed.stderr
+    full = report(ps(4, *common[:-4], "--steps", "16", "--out", str(tmp_path / "a.pt")))
+    a = torch.load(tmp_path / "a.pt", weights_only=True)["params"]
+    b = torch.load(tmp_path / "b.pt", weights_only=True)["params"]
+    assert torch.equal(a, b), "the preempted and resumed run differs from the uninterrupted one"
+    assert full["steps"] == 16
