@@ -15,7 +15,11 @@ result...) and a ``make_corpus(directory)`` writing its seed inputs; :func:`main
   (``slow-<ms>-<sha1>``) and a ``#fuzz_<name> inputs N accepted M slowest X ms`` summary at
   every power of two from 16384 inputs and at ``--runs``;
 * ``--replay FILE...``: run saved inputs ``--repeat`` times each and print their times, to tell
-  scheduler noise (only the first run slow) from a really slow input (every run slow).
+  scheduler noise (only the first run slow) from a really slow input (every run slow);
+* ``--leak-check N``: run ``N`` inputs made by mutating the seed corpus with a fixed PRNG,
+  without libFuzzer, and print the RSS every ``N/10`` inputs. libFuzzer itself grows (its
+  in-memory corpus of every new input, its feature tables), so the RSS of a long fuzzing run
+  mixes the target's memory with the fuzzer's; this run has only the target's.
 
 libFuzzer's own status lines and final stats give inputs run, inputs/s (``exec/s``),
 coverage (``cov``: instrumented edges reached; ``ft``: features) and peak RSS.
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import random
 import shutil
 import statistics
 import sys
@@ -104,6 +109,52 @@ def replay(timed: Timed, paths: Sequence[str], repeat: int) -> None:
               f"max {max(times):.2f} ms over {repeat} runs")
 
 
+def rss_mb() -> float:
+    """This process's resident set (``VmRSS``), MB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def mutate(data: bytes, rng: random.Random, max_len: int) -> bytes:
+    """A libFuzzer-like mutation: flip, overwrite, insert or cut bytes (deterministic for a seeded ``rng``)."""
+    out = bytearray(data)
+    for _ in range(rng.randint(1, 8)):
+        op = rng.randrange(4)
+        if op == 0 and out:
+            out[rng.randrange(len(out))] ^= 1 << rng.randrange(8)
+        elif op == 1 and out:
+            out[rng.randrange(len(out))] = rng.randrange(256)
+        elif op == 2 and len(out) < max_len:
+            at = rng.randrange(len(out) + 1)
+            out[at:at] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 16)))
+        elif out:
+            del out[rng.randrange(len(out)):]
+    return bytes(out[:max_len])
+
+
+def leak_check(target: Callable[[bytes], Any], seeds: Sequence[bytes], inputs: int, max_len: int) -> None:
+    """Run ``inputs`` mutated seeds through ``target`` (findings are printed, not raised); print the RSS growth."""
+    rng = random.Random(0)
+    every = max(1, inputs // 10)
+    findings = 0
+    first = rss_mb()
+    print(f"leak check: {inputs} inputs; RSS {first:.1f} MB after the warm-up", flush=True)
+    t0 = time.monotonic()
+    for i in range(1, inputs + 1):
+        try:
+            target(mutate(rng.choice(seeds), rng, max_len))
+        except Exception as exc:  # a finding: counted, the check goes on
+            findings += 1
+            if findings <= 3:
+                print(f"  finding at input {i}: {type(exc).__name__}: {exc}", flush=True)
+        if i % every == 0:
+            print(f"  {i} inputs: RSS {rss_mb():.1f} MB ({time.monotonic() - t0:.0f} s)", flush=True)
+    print(f"leak check: RSS {first:.1f} -> {rss_mb():.1f} MB over {inputs} inputs; {findings} findings", flush=True)
+
+
 def main(
     name: str,
     doc: str,
@@ -127,6 +178,8 @@ def main(
     p.add_argument("--make-corpus", action="store_true", help="rewrite the seed corpus and exit")
     p.add_argument("--replay", nargs="+", metavar="FILE", help="time these saved inputs instead of fuzzing")
     p.add_argument("--repeat", type=int, default=5, help="runs of each --replay input")
+    p.add_argument("--leak-check", type=int, default=0, metavar="N",
+                   help="run N mutated seed inputs without libFuzzer and print the RSS (the target's own growth)")
     p.add_argument("libfuzzer", nargs="*", help="extra libFuzzer flags (after --)")
     args = p.parse_args()
     sys.path.insert(0, ROOT)
@@ -147,6 +200,9 @@ def main(
         target(data)
     if args.replay:
         replay(timed, args.replay, args.repeat)
+        return 0
+    if args.leak_check:
+        leak_check(target, read_corpus(corpus), args.leak_check, args.max_len)
         return 0
     dirs = [corpus] if args.keep else [os.path.join(work, "corpus"), corpus]
     os.makedirs(dirs[0], exist_ok=True)
