@@ -507,7 +507,7 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
             for key, (name, g) in self._first_gradients.items():
                 if self._placement.get(name) == "local" and name in self.correction.rules and all_finite(g):
                     self.correction.velocity[key] = g
-        self._stash_velocities()
+        self._stash_velocities(made_at_last_call=True)
         self._first_gradients = {}
         self.keeping_first_gradients = False
 
@@ -588,17 +588,28 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
                 velocity[name] = local
         self._stash_velocities()
 
-    def _stash_velocities(self) -> None:
-        """Local velocities held in float32 (just started or adopted) -> their stored kind (``velocity_kind``)."""
+    def _stash_velocities(self, made_at_last_call: bool = False) -> None:
+        """Local velocities held in float32 (just started or adopted) -> their stored kind (``velocity_kind``).
+
+        ``made_at_last_call``: they are the velocities of the module's last reduce-scatter (the
+        kept first gradients of a discovered optimizer), stored with that call's seed, as the
+        reduce-scatter would have stored them: a discovered run stays the ``optimizer=`` run bit
+        for bit. Otherwise (started from the optimizer's buffers) a seed of their own.
+        """
         if self.velocity_kind == "float32":
             return
         velocity = self.correction.velocity
-        plans = self._shard_plans()
-        for name in sorted(n for n, where in self._placement.items() if where == "local"):
-            for j in range(self.world_size):
-                u = velocity.pop(piece_key(name, j), None)
-                if u is not None:
-                    self._vstore.put(piece_key(name, j), u, derive_seed(self.seed, self.step, plans[name].index, j, 3 << 20))
+        for m in self.modules:
+            for p in m.params:
+                if self._placement.get(p.name) != "local":
+                    continue
+                for j in range(self.world_size):
+                    u = velocity.pop(piece_key(p.name, j), None)
+                    if u is None:
+                        continue
+                    seed = (derive_seed(self.seed, m.calls - 1, p.index, j, 2 << 20) if made_at_last_call and m.calls
+                            else derive_seed(self.seed, m.calls, p.index, j, 3 << 20))
+                    self._vstore.put(piece_key(p.name, j), u, seed)
 
     def _momentum_before(self, plan: ModulePlan, input: torch.Tensor) -> None:
         """DGC / 1-bit Adam: each ``"local"`` parameter's chunks replaced by this rank's velocity.
