@@ -43,7 +43,11 @@ reduce-scatter and keeps only its shard afterwards:
   error feedback (the momentum of the averaged gradient is the optimizer's own momentum on
   error-feedback gradients, the order that measured 21.7% for sign on DDP). That velocity covers
   the full local gradient of those parameters (one per chunk, before compression): an
-  unsharded copy per rank, the memory price of these two modes, reported in ``stats()``.
+  unsharded copy per rank, the memory price of these two modes, reported in ``stats()``. It is
+  stored like the residuals (``velocity_kind``: ``residual_dtype``'s kind, or with ``"auto"`` the
+  pair that keeps residuals and velocities together within one gradient shard, int8/int8 at 2
+  ranks, int4/int4 at 4: :func:`.residuals.auto_kinds`), decoded for one chunk at a time inside
+  the reduce-scatter.
 
 The rank's own chunk is never compressed (added exactly), so it needs no residual.
 """
@@ -179,9 +183,12 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
         error_feedback: keep residuals of what compression dropped; ``None`` (default): on for
             the biased codecs (topk, sign, unscaled randomk), off for the unbiased ones (qsgd,
             scaled randomk) and never for none/fp16/bf16.
-        residual_dtype: ``torch.float32`` (default), ``torch.bfloat16`` (half the memory),
-            ``"int8"`` / ``"int4"`` (blockwise, stochastic rounding) or ``"auto"``: the widest that
-            keeps the residuals within one gradient shard at this world size (:mod:`.residuals`).
+        residual_dtype: how the compression state is stored between steps, residuals and the local
+            velocities of top-k / sign with SGD momentum or AdamW alike: ``torch.float32`` (default),
+            ``torch.bfloat16`` (half the memory), ``"int8"`` / ``"int4"`` (blockwise, stochastic
+            rounding) or ``"auto"``: the widest kinds that keep residuals and local velocities
+            together within one gradient shard at this world size (:func:`.residuals.auto_kinds`;
+            registered without ``optimizer=``, it budgets for the velocities an adopted one keeps).
         optimizer: the user's optimizer; ``"auto"`` (default) adopts the one that steps every
             compressed parameter (found at the first reduce-scatter, else after its first step), where error feedback needs it
             (:mod:`commpress.optim.discovery`, as on DDP), ``None`` opts out. An SGD-like one's
@@ -629,7 +636,7 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
                 if self._placement.get(p.name) == "local":
                     key = piece_key(p.name, j)
                     view = input[base + p.offset : base + p.offset + p.chunk_numel]
-                    if stored is None:
+                    if stored is None or p.name not in self.correction.rules:
                         self.correction.apply(p.name, view, key=key)
                         continue
                     if (u := stored.get(key)) is not None:
