@@ -102,8 +102,8 @@ class DCPState:
         """What this rank can keep: residual tensors, float32 velocity numels, quantised velocity tensors."""
         s = self.state
         floats, stored = s._velocity_layout()
-        return (_quantized_layout(s.residual_kind, {k: n for k, (n,) in s.residual_shapes().items()}),
-                dict(sorted(floats.items())), _quantized_layout(s.velocity_kind, stored))
+        return (_quantized_layout(s.residual_kind, {k: n for k, (n,) in s.residual_shapes().items()}, rstore.BLOCK),
+                dict(sorted(floats.items())), _quantized_layout(s.velocity_kind, stored, rstore.VELOCITY_BLOCK))
 
     def state_dict(self) -> dict[str, Any]:
         """The rank's state under ``rank{r}_of_{n}``: tensors only, one fixed layout per configuration."""
@@ -170,11 +170,11 @@ class DCPState:
 _Layout = dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]]
 
 
-def _quantized_layout(kind: str, numels: Mapping[str, int]) -> _Layout:
+def _quantized_layout(kind: str, numels: Mapping[str, int], block: int) -> _Layout:
     """Key -> ``{"codes": (shape, dtype)[, "scales": ...]}`` of entries stored as ``kind`` (:mod:`.residuals`)."""
     out: _Layout = {}
     for key, numel in sorted(numels.items()):
-        shapes = rstore.stored_shapes(kind, numel)
+        shapes = rstore.stored_shapes(kind, numel, block)
         out[key] = {"codes": (shapes["codes"], _CODE_DTYPES[kind])}
         if "scales" in shapes:
             out[key]["scales"] = (shapes["scales"], torch.float32)

@@ -32,10 +32,12 @@ float32 gradient shard, ``4`` bytes per shard element (``4/n`` bytes per paramet
 
     (n-1) * b_r + n * b_v <= 4
 
+Velocities are quantised in blocks of :data:`VELOCITY_BLOCK` (64: one scale per 64 elements,
+``b_v`` = 1.0625 for int8, 0.5625 for int4; int4 velocities in blocks of 256 cost accuracy).
 :func:`auto_kinds` takes the first pair of :data:`PAIRS` that fits: int8/int8 at 2 ranks
-(3.05 of 4), int8/int4 at 3 (3.58), int4/int4 at 4 (3.61). From 5 ranks no pair fits (int4/int4
-is ``15 * 0.516 = 7.73`` of 4 at 8 ranks, 1.93 shards; the int4 residuals alone take 3.61): it
-warns and keeps int4/int4, the smallest.
+(3.14 of 4), int8/int4 at 3 (3.72), int4/int4 at 4 (3.80). From 5 ranks no pair fits (int4/int4
+is ``7 * 0.516 + 8 * 0.5625 = 8.11`` of 4 at 8 ranks, 2.03 shards; the int4 residuals alone take
+3.61): it warns and keeps int4/int4, the smallest.
 """
 
 from __future__ import annotations
@@ -51,8 +53,13 @@ from ..errors import CodecError
 
 logger = logging.getLogger("commpress")
 
-#: Elements per quantization block (one float32 scale each).
+#: Elements per quantization block of a residual (one float32 scale each).
 BLOCK = 256
+#: Elements per quantization block of a local velocity: int4 velocities in blocks of 256 cost top-k
+#: 1% + AdamW 14 points at 4 ranks (digits, seed 0: 81.4% vs float32's 95.5%; float32 residuals with
+#: int4 velocities 89.7%, int4 residuals with float32 velocities 95.2%); blocks of 64 94.2%, and
+#: 64 is the smallest power of two with which int4 + int4 still fits one shard at 4 ranks (3.80 of 4).
+VELOCITY_BLOCK = 64
 
 #: The kinds on offer, by name (``residual_dtype`` also takes ``torch.float32`` / ``torch.bfloat16``).
 KINDS = ("float32", "bfloat16", "int8", "int4")
@@ -71,9 +78,9 @@ def resolve_kind(value: Any) -> str:
     )
 
 
-def bytes_per_element(kind: str) -> float:
-    """Stored bytes per residual element (block scales included)."""
-    return {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0 + 4.0 / BLOCK, "int4": 0.5 + 4.0 / BLOCK}[kind]
+def bytes_per_element(kind: str, block: int = BLOCK) -> float:
+    """Stored bytes per element (block scales included; ``block``: elements per scale)."""
+    return {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0 + 4.0 / block, "int4": 0.5 + 4.0 / block}[kind]
 
 
 def auto_kind(world_size: int, grad_bytes: int = 4) -> str:
@@ -97,7 +104,7 @@ def state_bytes(world_size: int, residual: str, velocity: str | None) -> float:
     ``velocity=None``: no local velocities (the residuals alone). One float32 shard is 4.
     """
     out = (world_size - 1) * bytes_per_element(residual)
-    return out + (0.0 if velocity is None else world_size * bytes_per_element(velocity))
+    return out + (0.0 if velocity is None else world_size * bytes_per_element(velocity, VELOCITY_BLOCK))
 
 
 def auto_kinds(world_size: int, local_velocity: bool, grad_bytes: int = 4) -> tuple[str, str]:
@@ -117,18 +124,18 @@ def auto_kinds(world_size: int, local_velocity: bool, grad_bytes: int = 4) -> tu
     return "int4", "int4"
 
 
-def quantize(e: torch.Tensor, bits: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(e: torch.Tensor, bits: int, seed: int, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """Blockwise absmax quantization with stochastic rounding: ``(codes, scales)``.
 
     ``codes``: int8 in ``[-L, L]`` (``L = 2**(bits-1) - 1``), two 4-bit codes per uint8 for
-    ``bits=4``; ``scales``: float32, one per block of :data:`BLOCK`.
+    ``bits=4``; ``scales``: float32, one per block of ``block`` (even) elements.
     """
     levels = (1 << (bits - 1)) - 1
     n = e.numel()
-    blocks = -(-n // BLOCK)
-    x = torch.zeros(blocks * BLOCK, dtype=torch.float32, device=e.device)
+    blocks = -(-n // block)
+    x = torch.zeros(blocks * block, dtype=torch.float32, device=e.device)
     x[:n] = e.reshape(-1)
-    x = x.view(blocks, BLOCK)
+    x = x.view(blocks, block)
     scales = x.abs().amax(1).div_(levels)
     x.div_(torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(1))
     gen = torch.Generator(device=e.device).manual_seed(seed & ((1 << 63) - 1))
@@ -140,21 +147,21 @@ def quantize(e: torch.Tensor, bits: int, seed: int) -> tuple[torch.Tensor, torch
     return codes, scales
 
 
-def dequantize(codes: torch.Tensor, scales: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, bits: int, numel: int, block: int = BLOCK) -> torch.Tensor:
     """Inverse of :func:`quantize`: a float32 tensor of ``numel`` elements."""
     if bits == 4:
         q = torch.stack(((codes & 15).to(torch.int8) - 8, (codes >> 4).to(torch.int8) - 8), 1).reshape(-1)
     else:
         q = codes
-    x = q.to(torch.float32).view(-1, BLOCK).mul_(scales.unsqueeze(1))
+    x = q.to(torch.float32).view(-1, block).mul_(scales.unsqueeze(1))
     return x.reshape(-1)[:numel]
 
 
-def stored_shapes(kind: str, numel: int) -> dict[str, tuple[int]]:
-    """Shapes of the stored tensors of one residual of ``numel`` elements (``codes`` and ``scales``)."""
-    blocks = -(-numel // BLOCK)
+def stored_shapes(kind: str, numel: int, block: int = BLOCK) -> dict[str, tuple[int]]:
+    """Shapes of the stored tensors of one entry of ``numel`` elements (``codes`` and ``scales``)."""
+    blocks = -(-numel // block)
     if kind in _BITS:
-        return {"codes": (blocks * BLOCK * _BITS[kind] // 8,), "scales": (blocks,)}
+        return {"codes": (blocks * block * _BITS[kind] // 8,), "scales": (blocks,)}
     return {"codes": (numel,)}
 
 
@@ -162,14 +169,15 @@ class ResidualStore:
     """Residuals or local velocities between steps in their stored kind (bfloat16, int8 or int4).
 
     float32 is not stored here (the adapter keeps those tensors as they are). ``what`` names the
-    entries in load errors (``"residual"``, ``"velocity"``).
+    entries in load errors (``"residual"``, ``"velocity"``); ``block``: elements per int8/int4 scale.
     """
 
-    __slots__ = ("kind", "codes", "scales", "numels", "what")
+    __slots__ = ("kind", "codes", "scales", "numels", "what", "block")
 
-    def __init__(self, kind: str, what: str = "residual") -> None:
+    def __init__(self, kind: str, what: str = "residual", block: int = BLOCK) -> None:
         self.kind = kind
         self.what = what
+        self.block = block
         self.codes: dict[str, torch.Tensor] = {}
         self.scales: dict[str, torch.Tensor] = {}
         self.numels: dict[str, int] = {}
@@ -183,7 +191,7 @@ class ResidualStore:
             else:
                 low.copy_(e)
         else:
-            self.codes[key], self.scales[key] = quantize(e, _BITS[self.kind], seed)
+            self.codes[key], self.scales[key] = quantize(e, _BITS[self.kind], seed, self.block)
         self.numels[key] = e.numel()
 
     def get(self, key: str) -> torch.Tensor | None:
@@ -193,7 +201,7 @@ class ResidualStore:
             return None
         if self.kind == "bfloat16":
             return codes.float()
-        return dequantize(codes, self.scales[key], _BITS[self.kind], self.numels[key])
+        return dequantize(codes, self.scales[key], _BITS[self.kind], self.numels[key], self.block)
 
     def drop(self, key: str) -> None:
         """Forget ``key``'s entry (a residual flushed into a dense step)."""
@@ -218,7 +226,7 @@ class ResidualStore:
         for key, value in codes.items():
             if key not in numels:
                 raise ValueError(f"{what} {key!r} is not one this rank keeps")
-            shapes = stored_shapes(self.kind, numels[key])
+            shapes = stored_shapes(self.kind, numels[key], self.block)
             if not isinstance(value, torch.Tensor) or tuple(value.shape) != shapes["codes"]:
                 raise ValueError(f"{what} {key!r} must be a tensor of shape {shapes['codes']} ({self.kind} codes)")
             if self.kind == "bfloat16":
@@ -238,5 +246,5 @@ class ResidualStore:
         self.numels = {k: numels[k] for k in new_codes}
 
 
-__all__ = ["BLOCK", "KINDS", "PAIRS", "ResidualStore", "auto_kind", "auto_kinds", "bytes_per_element", "dequantize",
+__all__ = ["BLOCK", "KINDS", "PAIRS", "VELOCITY_BLOCK", "ResidualStore", "auto_kind", "auto_kinds", "bytes_per_element", "dequantize",
            "quantize", "resolve_kind", "state_bytes", "stored_shapes"]

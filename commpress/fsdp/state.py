@@ -417,7 +417,7 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
         #: how the local velocities (top-k / sign with SGD momentum, Adam) are stored between steps
         self.velocity_kind = velocity
         self._low = rstore.ResidualStore(residual)  # residuals between steps unless float32
-        self._vstore = rstore.ResidualStore(velocity, "velocity")  # local velocities unless float32
+        self._vstore = rstore.ResidualStore(velocity, "velocity", rstore.VELOCITY_BLOCK)  # local velocities unless float32
 
     def _keeps_local_velocities(self) -> bool:
         """True when the optimizer mode keeps per-chunk local velocities (or may, once discovered)."""
@@ -1019,7 +1019,7 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
             raise ValueError(f"velocity {sorted(set(saved) & set(stored))[0]!r} is float32 in the checkpoint, but this "
                              f"state stores it as {self.velocity_kind} codes (velocity_codes)")
         velocity = MomentumCorrection.load_velocities(saved, floats)
-        vstore = rstore.ResidualStore(self.velocity_kind, "velocity")
+        vstore = rstore.ResidualStore(self.velocity_kind, "velocity", rstore.VELOCITY_BLOCK)
         if self.velocity_kind != "float32":
             vstore.load(codes, dict(state.get("velocity_scales") or {}), stored)
         elif codes:
