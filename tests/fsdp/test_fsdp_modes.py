@@ -89,7 +89,7 @@ def test_optimizer_discovered_at_its_first_step() -> None:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_compression_state_fits_one_shard(world: int, tmp_path: Path) -> None:
-    w.launch(mw.worker_memory, world, str(tmp_path), timeout=240)
+    w.launch(mw.worker_memory, world, str(tmp_path), timeout=480)
     print(json.loads((tmp_path / f"memory_{world}.json").read_text()))
 
 
