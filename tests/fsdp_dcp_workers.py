@@ -31,10 +31,11 @@ CODEC: dict[str, Any] = {"codec": "topk", "ratio": 0.1}  # biased: residuals, an
 #: tag -> (codec, how model and optimizer go to DCP): the case above with ``model.state_dict()`` /
 #: ``opt.state_dict()``, and with int8 residuals (codes and scales in the DCP form) through torch's
 #: ``get_state_dict`` / ``set_state_dict`` (FQN-keyed optimizer state, its fake first step included),
-#: and AdamW past its 2 dense warm-up steps (1-bit Adam's compressed momentum: local velocities)
+#: and AdamW past its 2 dense warm-up steps (1-bit Adam's compressed momentum: local velocities) with
+#: ``residual_dtype="auto"`` (int8 residuals and int8 velocity codes at 2 ranks)
 CASES: dict[str, tuple[dict[str, Any], str]] = {"float32": (CODEC, "plain"),
                                                 "int8": ({**CODEC, "residual_dtype": "int8"}, "torch"),
-                                                "adamw": ({**CODEC, "adamw": True, "warmup_steps": 2}, "torch")}
+                                                "adamw": ({**CODEC, "adamw": True, "warmup_steps": 2, "residual_dtype": "auto"}, "torch")}
 
 
 def _setup(seed: int = 0, codec: dict[str, Any] = CODEC) -> tuple[nn.Module, torch.optim.Optimizer,
@@ -78,10 +79,10 @@ def _save_case(rank: int, ckpt: str, out: str, codec: dict[str, Any], api: str) 
         _step(model, opt, rank, step)
     norms = _residual_norms(state)
     assert_all_ranks(bool(norms) and all(v > 0 for v in norms.values()), f"no residuals to save: {norms}")
-    assert_all_ranks(bool(state.correction.velocity), "no velocity in commpress (the SGD momentum moved in, or AdamW's compressed momentum)")
+    assert_all_ranks(bool(state.velocities()), "no velocity in commpress (the SGD momentum moved in, or AdamW's compressed momentum)")
     dcp.save(_checkpoint(model, opt, state, api), checkpoint_id=ckpt)
     saved = {"residuals": {k: v.clone() for k, v in state.residuals().items()},
-             "velocity": {k: v.clone() for k, v in state.correction.velocity.items()}, "step": state.step}
+             "velocity": {k: v.clone() for k, v in state.velocities().items()}, "step": state.step}
     for step in range(SAVED_STEPS, SAVED_STEPS + MORE_STEPS):
         _step(model, opt, rank, step)
     saved["local"] = [p.detach().to_local().clone() for p in model.parameters()]  # type: ignore[operator]
@@ -134,7 +135,7 @@ def _resume_case(rank: int, world: int, ckpt: str, out: str, codec: dict[str, An
     assert_all_ranks(_residual_norms(state) == {k: float(v.double().norm()) for k, v in
                                                 sorted(expected["residuals"].items())}, f"{tag}: residual norms differ")
     assert_all_ranks(all(v > 0 for v in _residual_norms(state).values()), f"{tag}: loaded residuals are zero")
-    velocity = state.correction.velocity
+    velocity = state.velocities()
     assert_all_ranks(sorted(velocity) == sorted(expected["velocity"]) and all(
         torch.equal(velocity[k], v) for k, v in expected["velocity"].items()), f"{tag}: velocities did not come back")
     assert_all_ranks(state.step == expected["step"], f"{tag}: step {state.step}, saved {expected['step']}")

@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 import commpress.fsdp
+from commpress.fsdp import residuals as rstore
 from commpress.optim import GROUP_KEY
 
 from ddp_workers import assert_all_ranks, batch
@@ -129,34 +130,69 @@ def worker_discovery(rank: int, world: int) -> None:
     assert_all_ranks(commpress.fsdp.register(quiet, "qsgd").discovery is None, "QSGD watches for an optimizer")
 
 
+def _sgd_m(params: Any) -> torch.optim.Optimizer:
+    return _sgd(params, momentum=0.9)
+
+
+def _adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+
+
 def worker_memory(rank: int, world: int, out: str) -> None:
     """``residual_dtype="auto"``: compression state (residuals + velocities) <= one gradient shard,
-    for random-k 1% with the user's SGD momentum (the gain: no velocity for compressed parameters)
-    and sign with no optimizer; float32 residuals exceed it beyond 2 ranks (top-k + SGD keeps a
-    local velocity too)."""
+    for random-k 1% with the user's SGD momentum (the gain: no velocity for compressed parameters),
+    sign with no optimizer, and top-k 1% / sign with SGD momentum and AdamW (local velocities, stored
+    quantised); float32 exceeds it (top-k + SGD keeps a local velocity too). A discovered SGD with
+    ``"auto"`` is the ``optimizer=`` run bit for bit (its velocities stored with the same rounding)."""
     report = {}
-    for label, codec, opts, with_opt in (
-        ("randomk1%+sgd/auto", "randomk", {"ratio": 0.01, "scaled": False, "warmup_steps": 0, "residual_dtype": "auto"},
-         True),
-        ("sign/auto", "sign", {"residual_dtype": "auto"}, False),
-        ("topk1%+sgd/float32", "topk", {"ratio": 0.01}, True),
+    auto = {"residual_dtype": "auto"}
+    adam = {**auto, "warmup_steps": 2}  # the compressed momentum (local velocities) from step 2
+    for label, codec, opts, make_opt in (
+        ("randomk1%+sgd/auto", "randomk", {"ratio": 0.01, "scaled": False, "warmup_steps": 0, **auto}, _sgd_m),
+        ("sign/auto", "sign", auto, None),
+        ("topk1%+sgd/float32", "topk", {"ratio": 0.01}, _sgd_m),
+        ("topk1%+sgd/auto", "topk", {"ratio": 0.01, **auto}, _sgd_m),
+        ("sign+sgd/auto", "sign", auto, _sgd_m),
+        ("topk1%+adamw/auto", "topk", {"ratio": 0.01, **adam}, _adamw),
+        ("sign+adamw/auto", "sign", adam, _adamw),
     ):
+        if world > 2 and label == "sign+sgd/auto":  # top-k + SGD covers the mode there (keeps 4 ranks short)
+            continue
         model = make_fsdp()
-        opt = _sgd(model.parameters(), momentum=0.9)
-        state = commpress.fsdp.register(model, codec, optimizer=opt if with_opt else None, **opts)
+        opt = (make_opt or _sgd_m)(model.parameters())
+        state = commpress.fsdp.register(model, codec, optimizer=opt if make_opt else None, **opts)
         for step in range(4):
             _step(model, opt, rank, step)
         s = state.stats()
+        local = "+" in label and "randomk" not in label  # top-k / sign with an optimizer: local velocities
+        if local:
+            want = rstore.auto_kinds(world, True) if "auto" in label else ("float32", "float32")
+            assert_all_ranks((state.residual_kind, state.velocity_kind) == want and s["velocity_bytes"] > 0,
+                             f"{label}: kinds {state.residual_kind}/{state.velocity_kind}, want {want}: {s}")
         assert_all_ranks(bool(torch.isfinite(full_params(model)).all()), f"{label}: non-finite")
         assert_all_ranks(s["residual_bytes"] > 0 and s["compression_state_bytes"] ==
                          s["residual_bytes"] + s["velocity_bytes"], f"{label}: {s}")
         if "auto" in label:
             assert_all_ranks(s["compression_state_bytes"] <= s["shard_bytes"],
                              f"{label}: {s['compression_state_bytes']} > shard {s['shard_bytes']} at {world} ranks")
-        elif world > 2:
+        else:  # float32 residuals beyond 2 ranks, and top-k's float32 local velocity at any
             assert_all_ranks(s["compression_state_bytes"] > s["shard_bytes"], f"{label}: float32 fits?")
-        report[label] = {"kind": state.residual_kind, **{k: s[k] for k in
+        report[label] = {"kind": state.residual_kind, "velocity_kind": state.velocity_kind, **{k: s[k] for k in
                          ("residual_bytes", "velocity_bytes", "compression_state_bytes", "shard_bytes")}}
+    if world > 2:
+        if rank == 0:
+            Path(out, f"memory_{world}.json").write_text(json.dumps(report, indent=1))
+        return
+    passed, found = make_fsdp(), make_fsdp()  # SGD found after its first step == optimizer=, with "auto"
+    passed_opt, found_opt = _sgd(passed.parameters(), momentum=0.9), _sgd(found.parameters(), momentum=0.9)
+    commpress.fsdp.register(passed, "sign", optimizer=passed_opt, **auto)
+    found_state = commpress.fsdp.register(found, "sign", **auto)
+    assert_all_ranks(found_state.velocity_kind == rstore.auto_kinds(world, True)[1], "discovery not budgeted for")
+    for step in range(4):
+        _step(passed, passed_opt, rank, step)
+        _step(found, found_opt, rank, step)
+    assert_all_ranks(found_state.optimizer is found_opt and torch.equal(full_params(passed), full_params(found)),
+                     "a discovered SGD with residual_dtype='auto' differs from optimizer=")
     if rank == 0:
         Path(out, f"memory_{world}.json").write_text(json.dumps(report, indent=1))
 
@@ -202,17 +238,43 @@ def _resume_case(rank: int, world: int, codec: str, opts: dict[str, Any], make_o
             assert_all_ranks("velocity" in str(exc), f"unclear error: {exc}")
         else:
             assert_all_ranks(False, f"{tag}: a velocity of the wrong size was loaded")
+    if bad.get("velocity_codes"):  # quantised local velocities: every corruption a clear error, nothing adopted
+        good = resumed.state_dict()
+        key = next(iter(good["velocity_codes"]))
+        codes, scales = good["velocity_codes"][key], good["velocity_scales"][key]
+        nan = scales.clone()
+        nan[0] = float("nan")
+        for what, change, words in (
+            ("truncated codes", {"velocity_codes": {**good["velocity_codes"], key: codes[:-1]}}, "must be a tensor of shape"),
+            ("float codes", {"velocity_codes": {**good["velocity_codes"], key: codes.float()}}, "has dtype"),
+            ("NaN scale", {"velocity_scales": {**good["velocity_scales"], key: nan}}, "scales"),
+            ("missing scale", {"velocity_scales": {k: v for k, v in good["velocity_scales"].items() if k != key}}, "scales"),
+            ("unknown key", {"velocity_codes": {**good["velocity_codes"], "nope#0": codes}}, "not one this rank keeps"),
+            ("another kind", {"velocity_dtype": "int4"}, "velocity_dtype mismatch"),
+            ("float32 in place of codes", {"velocity": {**good["velocity"], key: torch.zeros(4)}}, "velocity"),
+        ):
+            try:
+                resumed.load_state_dict({**good, **change})
+            except ValueError as exc:
+                assert_all_ranks(words in str(exc) and ("velocit" in str(exc)), f"{tag}, {what}: unclear error: {exc}")
+            else:
+                assert_all_ranks(False, f"{tag}: {what} was loaded")
+        after = resumed.state_dict()
+        assert_all_ranks(all(torch.equal(after["velocity_codes"][k], v) for k, v in good["velocity_codes"].items()),
+                         f"{tag}: a refused load changed the velocities")
 
 
 def worker_checkpoints(rank: int, world: int) -> None:
     """Bit-exact resume: sign + SGD (local velocities), top-k 1% + SGD (a local velocity) with int8 residuals
-    and a guard step, AdamW across the end of its warm-up."""
+    and int8 velocities and a guard step, AdamW across the end of its warm-up, and sign + AdamW with
+    ``residual_dtype="auto"`` (quantised velocities: every corruption of them refused clearly)."""
     guard = commpress.optim.DivergenceGuard(interval=1, threshold=0.05, dense_steps=1)
     _resume_case(rank, world, "sign", {}, lambda p: _sgd(p, momentum=0.9), "sign+sgd")
     _resume_case(rank, world, "topk", {"ratio": 0.01, "residual_dtype": "int8", "divergence_guard": guard},
                  lambda p: _sgd(p, momentum=0.9, nesterov=True), "topk+sgd+int8+guard")
     _resume_case(rank, world, "topk", {"ratio": 0.05, "warmup_steps": 2},
                  lambda p: torch.optim.AdamW(p, lr=1e-3), "topk+adamw")
+    _resume_case(rank, world, "sign", {"warmup_steps": 2, "residual_dtype": "auto"}, _adamw, "sign+adamw+auto")
 
 
 # ----- digits: the user's SGD momentum and AdamW, FSDP-sharded --------------------------------
@@ -261,15 +323,22 @@ RESIDUAL_CASES: list[tuple[str, str | None, dict[str, Any]]] = [
     *[(f"{label}-{kind}", codec, {**opts, "residual_dtype": kind})
       for label, codec, opts in (("topk1%", "topk", {"ratio": 0.01}), ("sign", "sign", {})) for kind in ("int8", "int4")],
 ]
+#: Quantized velocities (``CASES=velocities``): float32 residuals and velocities against ``residual_dtype="auto"``
+#: (int8 residuals + int8 local velocities at 2 ranks, int4 + int4 at 4; ``WORLD=4``).
+VELOCITY_CASES: list[tuple[str, str | None, dict[str, Any]]] = [
+    ("dense", None, {}),
+    *[(f"{label}-{kind}", codec, {**opts, "residual_dtype": kind})
+      for label, codec, opts in (("topk1%", "topk", {"ratio": 0.01}), ("sign", "sign", {})) for kind in ("float32", "auto")],
+]
 DIGITS_OPTIMS = {"sgd": {"lr": 0.1, "momentum": 0.9}, "adamw": {"lr": 1e-3, "betas": (0.9, 0.999), "weight_decay": 0.01}}
 
 
 def worker_digits(rank: int, world: int, out: str, epochs: int, seeds: list[int], which: str = "modes",
                   optims: tuple[str, ...] = ("sgd", "adamw")) -> None:
-    """Accuracy per (seed, optimizer, case); written by rank 0 as JSON (``which``: "modes" or "residuals")."""
+    """Accuracy per (seed, optimizer, case); written by rank 0 as JSON (``which``: "modes", "residuals", "velocities")."""
     torch.set_num_threads(1)
     results: dict[str, float] = {}
-    cases = RESIDUAL_CASES if which == "residuals" else DIGITS_CASES
+    cases = {"residuals": RESIDUAL_CASES, "velocities": VELOCITY_CASES}.get(which, DIGITS_CASES)
     for seed in seeds:
         for tag in optims:
             optim = DIGITS_OPTIMS[tag]
@@ -288,5 +357,5 @@ if __name__ == "__main__":  # the measurement behind the README's numbers and th
     target = sys.argv[1] if len(sys.argv) > 1 else "/tmp/fsdp_digits.json"
     which = os.environ.get("CASES", "modes")
     optims = tuple(os.environ.get("OPTIMS", "sgd,adamw").split(","))
-    w.launch(worker_digits, 2, target, int(os.environ.get("EPOCHS", "12")), seeds, which, optims, timeout=3000)
+    w.launch(worker_digits, int(os.environ.get("WORLD", "2")), target, int(os.environ.get("EPOCHS", "12")), seeds, which, optims, timeout=3000)
     print(Path(target).read_text())

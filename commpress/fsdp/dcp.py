@@ -53,7 +53,8 @@ if TYPE_CHECKING:
 #: Bytes of the JSON header tensor (zero-padded; the header holds no per-module or per-parameter data).
 HEADER_NBYTES = 4096
 DCP_FORMAT = 1
-_HEADER_KEYS = ("format", "codec", "error_feedback", "residual_dtype", "world_size", "rank", "seed", "step", "guard")
+_HEADER_KEYS = ("format", "codec", "error_feedback", "residual_dtype", "world_size", "rank", "seed", "step", "guard",
+                "velocity_dtype")
 _CODE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8}
 
 
@@ -97,26 +98,22 @@ class DCPState:
         """The namespace of this rank's entries: ``rank{r}_of_{n}``."""
         return f"rank{self.state.rank}_of_{self.state.world_size}"
 
-    def _layout(self) -> tuple[dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]], dict[str, int]]:
-        """Residual tensors (``codes`` and ``scales`` where quantized) and velocity numels this rank can keep."""
+    def _layout(self) -> tuple[_Layout, dict[str, int], _Layout]:
+        """What this rank can keep: residual tensors, float32 velocity numels, quantised velocity tensors."""
         s = self.state
-        kind = s.residual_kind
-        residuals: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]] = {}
-        for key, (numel,) in sorted(s.residual_shapes().items()):
-            shapes = rstore.stored_shapes(kind, numel)
-            residuals[key] = {"codes": (shapes["codes"], _CODE_DTYPES[kind])}
-            if "scales" in shapes:
-                residuals[key]["scales"] = (shapes["scales"], torch.float32)
-        return residuals, dict(sorted(s._velocity_numels().items()))
+        floats, stored = s._velocity_layout()
+        return (_quantized_layout(s.residual_kind, {k: n for k, (n,) in s.residual_shapes().items()}, rstore.BLOCK),
+                dict(sorted(floats.items())), _quantized_layout(s.velocity_kind, stored, rstore.VELOCITY_BLOCK))
 
     def state_dict(self) -> dict[str, Any]:
         """The rank's state under ``rank{r}_of_{n}``: tensors only, one fixed layout per configuration."""
         plain = self.state.state_dict()
-        residual_layout, velocity_layout = self._layout()
+        residual_layout, velocity_layout, stored_layout = self._layout()
         saved_residuals = dict(plain["residuals"])
-        saved_scales = dict(plain.get("residual_scales") or {})
         saved_velocity = dict(plain["velocity"])
-        unknown = (set(saved_residuals) - set(residual_layout)) | (set(saved_velocity) - set(velocity_layout))
+        saved_codes = dict(plain.get("velocity_codes") or {})
+        unknown = ((set(saved_residuals) - set(residual_layout)) | (set(saved_velocity) - set(velocity_layout))
+                   | (set(saved_codes) - set(stored_layout)))
         if unknown:  # cannot happen for a state this module knows; refuse rather than drop it silently
             raise ConfigurationError(f"commpress DCP: state holds {sorted(unknown)} outside its layout")
         header = {k: plain[k] for k in _HEADER_KEYS}
@@ -125,17 +122,10 @@ class DCPState:
             "header": _encode_header(header),
             "calls": torch.tensor([plain["calls"][m.name] for m in self.state.modules], dtype=torch.int64),
         }
-        if residual_layout:
-            out["residuals"] = {}
-            if any("scales" in v for v in residual_layout.values()):
-                out["residual_scales"] = {}
-            for key, parts in residual_layout.items():
-                shape, dtype = parts["codes"]
-                out["residuals"][key] = _stored(saved_residuals.get(key), shape, dtype)
-                if "scales" in parts:
-                    shape, dtype = parts["scales"]
-                    out["residual_scales"][key] = _stored(saved_scales.get(key), shape, dtype)
-            out["residual_present"] = torch.tensor([k in saved_residuals for k in residual_layout], dtype=torch.uint8)
+        _put_quantized(out, "residuals", "residual_scales", "residual_present", residual_layout,
+                       saved_residuals, dict(plain.get("residual_scales") or {}))
+        _put_quantized(out, "velocity_codes", "velocity_scales", "velocity_codes_present", stored_layout,
+                       saved_codes, dict(plain.get("velocity_scales") or {}))
         if velocity_layout:
             out["velocity"] = {k: _stored(saved_velocity.get(k), (n,), torch.float32) for k, n in velocity_layout.items()}
             out["velocity_present"] = torch.tensor([k in saved_velocity for k in velocity_layout], dtype=torch.uint8)
@@ -155,13 +145,17 @@ class DCPState:
         calls = mine.get("calls")
         if not isinstance(calls, torch.Tensor) or calls.dtype != torch.int64 or calls.shape != (len(self.state.modules),):
             raise ValueError(f"commpress DCP calls must be an int64 tensor of {len(self.state.modules)} modules")
-        residual_layout, velocity_layout = self._layout()
+        residual_layout, velocity_layout, stored_layout = self._layout()
         plain: dict[str, Any] = {k: header[k] for k in _HEADER_KEYS if k in header}
         plain["calls"] = {m.name: int(c) for m, c in zip(self.state.modules, calls.tolist())}
         plain["residuals"] = _present(mine, "residuals", residual_layout, "residual_present")
         if self.state.residual_kind in ("int8", "int4"):
             plain["residual_scales"] = _present(mine, "residual_scales", residual_layout, "residual_present")
         plain["velocity"] = _present(mine, "velocity", velocity_layout, "velocity_present")
+        if stored_layout:
+            plain["velocity_codes"] = _present(mine, "velocity_codes", stored_layout, "velocity_codes_present")
+            if self.state.velocity_kind in ("int8", "int4"):
+                plain["velocity_scales"] = _present(mine, "velocity_scales", stored_layout, "velocity_codes_present")
         if "auto" in mine:
             auto = mine["auto"]
             if not isinstance(auto, torch.Tensor) or auto.dtype != torch.int64 or auto.shape != (len(self.state.modules),):
@@ -171,6 +165,37 @@ class DCPState:
 
     def __repr__(self) -> str:
         return f"DCPState({self.key!r}, {self.state!r})"
+
+
+_Layout = dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]]
+
+
+def _quantized_layout(kind: str, numels: Mapping[str, int], block: int) -> _Layout:
+    """Key -> ``{"codes": (shape, dtype)[, "scales": ...]}`` of entries stored as ``kind`` (:mod:`.residuals`)."""
+    out: _Layout = {}
+    for key, numel in sorted(numels.items()):
+        shapes = rstore.stored_shapes(kind, numel, block)
+        out[key] = {"codes": (shapes["codes"], _CODE_DTYPES[kind])}
+        if "scales" in shapes:
+            out[key]["scales"] = (shapes["scales"], torch.float32)
+    return out
+
+
+def _put_quantized(out: dict[str, Any], codes: str, scales: str, present: str, layout: _Layout,
+                   saved: Mapping[str, torch.Tensor], saved_scales: Mapping[str, torch.Tensor]) -> None:
+    """Write one quantized store (residuals or velocities) in its fixed layout, zeros and a 0 flag where absent."""
+    if not layout:
+        return
+    out[codes] = {}
+    if any("scales" in v for v in layout.values()):
+        out[scales] = {}
+    for key, parts in layout.items():
+        shape, dtype = parts["codes"]
+        out[codes][key] = _stored(saved.get(key), shape, dtype)
+        if "scales" in parts:
+            shape, dtype = parts["scales"]
+            out[scales][key] = _stored(saved_scales.get(key), shape, dtype)
+    out[present] = torch.tensor([k in saved for k in layout], dtype=torch.uint8)
 
 
 def _stored(value: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -43,7 +43,11 @@ reduce-scatter and keeps only its shard afterwards:
   error feedback (the momentum of the averaged gradient is the optimizer's own momentum on
   error-feedback gradients, the order that measured 21.7% for sign on DDP). That velocity covers
   the full local gradient of those parameters (one per chunk, before compression): an
-  unsharded copy per rank, the memory price of these two modes, reported in ``stats()``.
+  unsharded copy per rank, the memory price of these two modes, reported in ``stats()``. It is
+  stored like the residuals (``velocity_kind``: ``residual_dtype``'s kind, or with ``"auto"`` the
+  pair that keeps residuals and velocities together within one gradient shard, int8/int8 at 2
+  ranks, int4/int4 at 4: :func:`.residuals.auto_kinds`), decoded for one chunk at a time inside
+  the reduce-scatter.
 
 The rank's own chunk is never compressed (added exactly), so it needs no residual.
 """
@@ -179,9 +183,12 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
         error_feedback: keep residuals of what compression dropped; ``None`` (default): on for
             the biased codecs (topk, sign, unscaled randomk), off for the unbiased ones (qsgd,
             scaled randomk) and never for none/fp16/bf16.
-        residual_dtype: ``torch.float32`` (default), ``torch.bfloat16`` (half the memory),
-            ``"int8"`` / ``"int4"`` (blockwise, stochastic rounding) or ``"auto"``: the widest that
-            keeps the residuals within one gradient shard at this world size (:mod:`.residuals`).
+        residual_dtype: how the compression state is stored between steps, residuals and the local
+            velocities of top-k / sign with SGD momentum or AdamW alike: ``torch.float32`` (default),
+            ``torch.bfloat16`` (half the memory), ``"int8"`` / ``"int4"`` (blockwise, stochastic
+            rounding) or ``"auto"``: the widest kinds that keep residuals and local velocities
+            together within one gradient shard at this world size (:func:`.residuals.auto_kinds`;
+            registered without ``optimizer=``, it budgets for the velocities an adopted one keeps).
         optimizer: the user's optimizer; ``"auto"`` (default) adopts the one that steps every
             compressed parameter (found at the first reduce-scatter, else after its first step), where error feedback needs it
             (:mod:`commpress.optim.discovery`, as on DDP), ``None`` opts out. An SGD-like one's
@@ -232,7 +239,8 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
         "codec", "error_feedback", "residual_dtype", "residual_kind", "seed", "world_size", "rank", "modules",
         "feedback", "_low", "_stats", "_rule", "_group", "faults", "step", "warmup", "guard", "correction",
         "optimizer", "discovery", "adam", "handover", "_placement", "_params", "_measured", "allgather",
-        "_stats_log", "auto", "_first_gradients", "keeping_first_gradients", "_find_timeout",
+        "_stats_log", "auto", "_first_gradients", "keeping_first_gradients", "_find_timeout", "velocity_kind",
+        "_vstore",
     )
 
     def __init__(
@@ -296,15 +304,13 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
         self.modules = self._plan(model)
         self.world_size = self.modules[0].world_size
         self.rank = dist.get_rank(self._group)
-        if kind == "auto":
+        requested = kind
+        if kind == "auto":  # sized again below, once the optimizer (and so the local velocities) is known
             kind = rstore.auto_kind(self.world_size)
-        self.residual_kind = kind
-        #: the residual dtype as given (a torch dtype, or the kind's name for int8 / int4)
-        self.residual_dtype: torch.dtype | str = getattr(torch, kind) if kind in ("float32", "bfloat16") else kind
+        self._set_kinds(kind, "float32" if requested == "auto" else kind)
         self.faults = FaultChannel.of(self._group)  # one rank's failure is every rank's error
         opts.warn_unbiased_feedback(error_feedback, self.codec)
         self.feedback = self._new_feedback()
-        self._low = rstore.ResidualStore(kind)  # residuals between steps unless float32
         self.allgather = None if param_codecs is None else ParamAllGather(model, param_codecs[0], self._rule,
                                                                           self.faults, reuse=param_codecs[1])
         self.step = 0
@@ -336,6 +342,9 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
         elif not discover:
             assert not isinstance(optimizer, str)
             self._adopt_optimizer(optimizer)
+        if requested == "auto":  # residuals and local velocities together within one gradient shard
+            self._set_kinds(*rstore.auto_kinds(self.world_size, self._keeps_local_velocities()))
+            self._stash_velocities()  # any adopted from the optimizer's buffers above
         if verify:
             self._verify_ranks(opts.check_timeout(verify_timeout))
         if self.auto is not None:  # every rank calibrates together (after the check: ranks agree to)
@@ -399,6 +408,22 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
     def uses_feedback(self) -> bool:
         """True when residuals are kept (error feedback on, and a codec that drops something)."""
         return self.error_feedback and not self.codec.lossless
+
+    def _set_kinds(self, residual: str, velocity: str) -> None:
+        """Storage of the compression state between steps: residuals and local velocities (:mod:`.residuals`)."""
+        self.residual_kind = residual
+        #: the residual dtype as given (a torch dtype, or the kind's name for int8 / int4)
+        self.residual_dtype: torch.dtype | str = getattr(torch, residual) if residual in ("float32", "bfloat16") else residual
+        #: how the local velocities (top-k / sign with SGD momentum, Adam) are stored between steps
+        self.velocity_kind = velocity
+        self._low = rstore.ResidualStore(residual)  # residuals between steps unless float32
+        self._vstore = rstore.ResidualStore(velocity, "velocity", rstore.VELOCITY_BLOCK)  # local velocities unless float32
+
+    def _keeps_local_velocities(self) -> bool:
+        """True when the optimizer mode keeps per-chunk local velocities (or may, once discovered)."""
+        if self.discovery is not None and self.discovery.pending:  # budget for what adoption would keep
+            return not momentum_as_gain(self.codec)
+        return (self.adam is not None or self.handover is not None) and "local" in self._placement.values()
 
     def residual_shapes(self) -> dict[str, tuple[int]]:
         """Key -> shape of every residual this rank keeps (the chunks it sends, not its own)."""
@@ -489,6 +514,7 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
             for key, (name, g) in self._first_gradients.items():
                 if self._placement.get(name) == "local" and name in self.correction.rules and all_finite(g):
                     self.correction.velocity[key] = g
+        self._stash_velocities(made_at_last_call=True)
         self._first_gradients = {}
         self.keeping_first_gradients = False
 
@@ -554,7 +580,8 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
         for name in sorted(k for k, v in velocity.items() if k in plans and not _is_plain(v)):
             v, p = velocity.pop(name), plans[name]
             if self._placement.get(name) == "local":
-                if any(piece_key(name, j) in velocity for j in range(self.world_size)):
+                if any(piece_key(name, j) in velocity or piece_key(name, j) in self._vstore.codes
+                       for j in range(self.world_size)):
                     continue  # a resumed run keeps the velocities it loaded
                 full = torch.zeros(self.world_size * p.chunk_numel, dtype=torch.float32)
                 flat = v.full_tensor().reshape(-1)  # type: ignore[attr-defined]
@@ -566,17 +593,57 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
                 flat = v.to_local().reshape(-1)  # type: ignore[attr-defined]
                 local[: flat.numel()] = flat
                 velocity[name] = local
+        self._stash_velocities()
+
+    def _stash_velocities(self, made_at_last_call: bool = False) -> None:
+        """Local velocities held in float32 (just started or adopted) -> their stored kind (``velocity_kind``).
+
+        ``made_at_last_call``: they are the velocities of the module's last reduce-scatter (the
+        kept first gradients of a discovered optimizer), stored with that call's seed, as the
+        reduce-scatter would have stored them: a discovered run stays the ``optimizer=`` run bit
+        for bit. Otherwise (started from the optimizer's buffers) a seed of their own.
+        """
+        if self.velocity_kind == "float32":
+            return
+        velocity = self.correction.velocity
+        for m in self.modules:
+            for p in m.params:
+                if self._placement.get(p.name) != "local":
+                    continue
+                for j in range(self.world_size):
+                    u = velocity.pop(piece_key(p.name, j), None)
+                    if u is None:
+                        continue
+                    seed = (derive_seed(self.seed, m.calls - 1, p.index, j, 2 << 20) if made_at_last_call and m.calls
+                            else derive_seed(self.seed, m.calls, p.index, j, 3 << 20))
+                    self._vstore.put(piece_key(p.name, j), u, seed)
 
     def _momentum_before(self, plan: ModulePlan, input: torch.Tensor) -> None:
-        """DGC / 1-bit Adam: each ``"local"`` parameter's chunks replaced by this rank's velocity."""
+        """DGC / 1-bit Adam: each ``"local"`` parameter's chunks replaced by this rank's velocity.
+
+        A quantised velocity (``velocity_kind`` not float32) is decoded into a float32 working copy
+        for its chunk only, updated, and stored again (stochastic rounding seeded by the module's
+        call, the parameter and the chunk, so a resumed run is bit-exact): between steps only the
+        stored form exists, and the working memory is one chunk's velocity.
+        """
         if not self.correction.rules:
             return
+        stored = None if self.velocity_kind == "float32" else self._vstore
+        velocity = self.correction.velocity
         for j in range(plan.world_size):
             base = j * plan.chunk_numel
             for p in plan.params:
                 if self._placement.get(p.name) == "local":
+                    key = piece_key(p.name, j)
                     view = input[base + p.offset : base + p.offset + p.chunk_numel]
-                    self.correction.apply(p.name, view, key=piece_key(p.name, j))
+                    if stored is None or p.name not in self.correction.rules:
+                        self.correction.apply(p.name, view, key=key)
+                        continue
+                    if (u := stored.get(key)) is not None:
+                        velocity[key] = u
+                    self.correction.apply(p.name, view, key=key)
+                    if (u := velocity.pop(key, None)) is not None:
+                        stored.put(key, u, derive_seed(self.seed, plan.calls, p.index, j, 2 << 20))
 
     def _momentum_after(self, plan: ModulePlan, output: torch.Tensor, compressing: bool) -> None:
         """SGD momentum on the reduced shard: a velocity (``"shard"``, dense steps) or the gain (``"gain"``)."""
@@ -741,9 +808,18 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
             return self._low.nbytes()
         return sum(e.numel() * e.element_size() for e in self.residuals().values())
 
+    def velocities(self) -> dict[str, torch.Tensor]:
+        """Every velocity this rank keeps between steps, by key (float32 ones live; quantised ones decoded copies)."""
+        out = dict(self.correction.velocity)
+        out.update({k: v for k in self._vstore.codes if (v := self._vstore.get(k)) is not None})
+        return out
+
     def velocity_bytes(self) -> int:
-        """Bytes of the optimizer modes' velocities this rank keeps (shard-sized or local, see above)."""
-        return sum(v.numel() * v.element_size() for v in self.correction.velocity.values())
+        """Bytes of the optimizer modes' velocities this rank keeps (shard-sized or local, see above).
+
+        Local velocities in their stored kind (codes and scales, ``velocity_kind``); float32 otherwise.
+        """
+        return self._vstore.nbytes() + sum(v.numel() * v.element_size() for v in self.correction.velocity.values())
 
     def shard_bytes(self) -> int:
         """Bytes of this rank's gradient shard (every FSDP module's padded chunk, parameter dtype)."""
@@ -809,6 +885,8 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
             "momentum_rules": self.correction.rules_state(),
             "velocity": (self.handover.velocities() if self.handover is not None
                          else {k: v.detach().clone() for k, v in self.correction.velocity.items()}),
+            "velocity_dtype": self.velocity_kind,
+            **self._stored_velocities(),
             "guard": self.guard.state(),
             **({} if self.auto is None else {"auto": self.auto.state([m.name for m in self.modules])}),
         }
@@ -826,6 +904,21 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
         if self.feedback is not None and self.residual_kind != "float32":
             return self._low.state()[0]
         return {k: v.detach().clone() for k, v in self.residuals().items()}
+
+    def _stored_velocities(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The quantised local velocities in checkpoint form (``velocity_codes``, ``velocity_scales``)."""
+        if self.velocity_kind == "float32":
+            return {}
+        codes, scales = self._vstore.state()
+        return {"velocity_codes": codes, **({"velocity_scales": scales} if self.velocity_kind in ("int8", "int4") else {})}
+
+    def _velocity_layout(self) -> tuple[dict[str, int], dict[str, int]]:
+        """:meth:`_velocity_numels` split: ``(kept in float32, stored as velocity_kind codes)``."""
+        numels = self._velocity_numels()
+        if self.velocity_kind == "float32":
+            return numels, {}
+        local = {piece_key(n, j) for n, where in self._placement.items() if where == "local" for j in range(self.world_size)}
+        return ({k: v for k, v in numels.items() if k not in local}, {k: v for k, v in numels.items() if k in local})
 
     def _velocity_numels(self) -> dict[str, int]:
         """Key -> elements of every velocity this rank may keep (shard-sized, or one per chunk)."""
@@ -870,7 +963,9 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
         step = state.get("step", min(calls.values(), default=0))
         if not isinstance(step, int) or not 0 <= step < 1 << 62:
             raise ValueError(f"step must be an int in [0, 2**62), got {step!r}")
-        if self.discovery is not None and self.discovery.pending and (state.get("velocity") or state.get("momentum_rules")):
+        if self.discovery is not None and self.discovery.pending and (
+            state.get("velocity") or state.get("velocity_codes") or state.get("momentum_rules")
+        ):
             raise ValueError(
                 "the checkpoint holds the optimizer's momentum (it was written after the optimizer was "
                 "adopted), but this state has not adopted one yet (no optimizer= given: it is found after "
@@ -885,7 +980,7 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
         elif "auto" in state:
             raise ValueError("codec mismatch: the checkpoint was written by codec='auto'; register with codec='auto' "
                              "to resume it")
-        velocity = MomentumCorrection.load_velocities(dict(state.get("velocity") or {}), self._velocity_numels())
+        velocity, vstore = self._load_velocities(state)
         guard = dataclasses.replace(self.guard)
         if "guard" in state:
             guard.load(state["guard"])
@@ -903,9 +998,33 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
         if self.handover is not None:
             self.handover.take(keep_velocity=True)
         self.correction.velocity = velocity
+        self._vstore = vstore
         if self.auto is not None and chosen is not None:  # the saved choices, whatever this run's calibration said
             self.auto.choices, self.auto.loaded = chosen, True
             self._apply_auto()
+
+    def _load_velocities(self, state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], rstore.ResidualStore]:
+        """Validate the checkpoint's velocities: float32 ones and ``velocity_dtype`` codes (nothing adopted yet)."""
+        saved_kind = state.get("velocity_dtype", "float32")  # files written before velocities were quantised
+        floats, stored = self._velocity_layout()
+        saved = dict(state.get("velocity") or {})
+        codes = dict(state.get("velocity_codes") or {})
+        if saved_kind != self.velocity_kind and (codes or set(saved) & set(stored)):
+            raise ValueError(
+                f"velocity_dtype mismatch: the checkpoint stores local velocities as {saved_kind!r}, this state as "
+                f"{self.velocity_kind!r} (residual_dtype={self.residual_dtype}): register with the residual_dtype it was "
+                "written with"
+            )
+        if set(saved) & set(stored):
+            raise ValueError(f"velocity {sorted(set(saved) & set(stored))[0]!r} is float32 in the checkpoint, but this "
+                             f"state stores it as {self.velocity_kind} codes (velocity_codes)")
+        velocity = MomentumCorrection.load_velocities(saved, floats)
+        vstore = rstore.ResidualStore(self.velocity_kind, "velocity", rstore.VELOCITY_BLOCK)
+        if self.velocity_kind != "float32":
+            vstore.load(codes, dict(state.get("velocity_scales") or {}), stored)
+        elif codes:
+            raise ValueError("the checkpoint holds quantised velocities (velocity_codes), this state keeps float32 ones")
+        return velocity, vstore
 
     def __repr__(self) -> str:
         return (

@@ -46,6 +46,27 @@ def test_auto_residual_kind_fits_one_shard_and_quantization_is_unbiased() -> Non
         step = scales.repeat_interleave(rstore.BLOCK)[:1000]
         assert float(((mean - e).abs() / step).max()) < 0.25  # E[stored] = e, to 400 draws' noise
         assert codes.numel() * codes.element_size() == {8: 1024, 4: 512}[bits]
+        small = rstore.ResidualStore({8: "int8", 4: "int4"}[bits], "velocity", block=64)  # the velocities' blocks
+        small.put("v", e, seed=5)
+        assert small.scales["v"].numel() == 16 and small.nbytes() == {8: 1024, 4: 512}[bits] + 64
+        assert float(((small.get("v") - e).abs() - small.scales["v"].repeat_interleave(64)[:1000]).max()) <= 1e-6
+
+
+def test_auto_kinds_keep_residuals_and_local_velocities_within_one_shard() -> None:
+    """``(n-1) b_r + n b_v <= 4`` bytes per shard element: int8/int8 at 2 ranks, int8/int4 at 3, int4/int4 at 4;
+    from 5 ranks no pair fits (8 ranks by formula: 8.11 of 4, 2.03 shards) and the smallest is kept."""
+    kinds = {n: rstore.auto_kinds(n, True) for n in (1, 2, 3, 4, 5, 8)}
+    assert kinds == {1: ("float32", "float32"), 2: ("int8", "int8"), 3: ("int8", "int4"), 4: ("int4", "int4"),
+                     5: ("int4", "int4"), 8: ("int4", "int4")}
+    for n in (1, 2, 3, 4):
+        assert rstore.state_bytes(n, *kinds[n]) <= 4
+        wider = rstore.PAIRS[: rstore.PAIRS.index(kinds[n])]
+        assert all(rstore.state_bytes(n, *p) > 4 for p in wider)  # the first that fits
+    # velocities in blocks of 64 (rstore.VELOCITY_BLOCK), residuals of 256
+    assert rstore.state_bytes(2, "int8", "int8") == 3.140625 and rstore.state_bytes(4, "int4", "int4") == 3.796875
+    assert rstore.state_bytes(8, "int4", "int4") == 8.109375 and rstore.state_bytes(8, "int4", None) <= 4
+    assert [rstore.auto_kinds(n, False) for n in (2, 4, 8)] == [("float32", "float32"), ("int8", "float32"),
+                                                                ("int4", "float32")]  # residuals only: as before
 
 
 def test_momentum_as_gain_rule() -> None:
@@ -68,7 +89,7 @@ def test_optimizer_discovered_at_its_first_step() -> None:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_compression_state_fits_one_shard(world: int, tmp_path: Path) -> None:
-    w.launch(mw.worker_memory, world, str(tmp_path), timeout=240)
+    w.launch(mw.worker_memory, world, str(tmp_path), timeout=480)
     print(json.loads((tmp_path / f"memory_{world}.json").read_text()))
 
 
