@@ -5,7 +5,9 @@ then the root, once per case on ``--world`` gloo ranks (CPU, ``mp.spawn``), same
 data and plain SGD, and prints test accuracy, bytes per rank and step (what FSDP's ring
 reduce-scatter sends vs what the all_to_all sends), the ratio, and the error-feedback memory
 per rank. ``dense`` is FSDP without commpress. Cases: ``label=codec[:key=value,...]``
-(``residual_dtype=bf16`` for bfloat16 residuals). ``--json`` writes the table.
+(``residual_dtype=bf16`` for bfloat16 residuals). Gradient-only: the parameter all-gathers stay
+FSDP's (``param_codec="none"`` unless a case gives ``param_codec=``; ``register``'s own default
+would gather int8 parameters for a compressing codec). ``--json`` writes the table.
 
     python scripts/bench_fsdp.py --world 2
     python scripts/bench_fsdp.py --world 4 --json /tmp/fsdp4.json
@@ -53,7 +55,8 @@ def train_case(rank: int, world: int, args: argparse.Namespace, codec: str, opts
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer)
     fully_shard(model)
-    state = commpress.fsdp.register(model, codec, seed=args.seed, **opts) if codec != "dense" else None
+    state = (commpress.fsdp.register(model, codec, seed=args.seed, **{"param_codec": "none", **opts})
+             if codec != "dense" else None)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     g = torch.Generator().manual_seed(1000 * args.seed + 17 + rank)
     t0 = time.perf_counter()

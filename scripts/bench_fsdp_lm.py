@@ -16,8 +16,11 @@ Methods (``--methods``, ``;``-separated): ``fp32`` (FSDP2 as is), ``bf16`` (FSDP
 ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``, the built-in policy), and
 ``cp-<codec>[:k=v,...][@option=value,...]`` for ``commpress.fsdp.register(model, codec,
 optimizer=opt, ...)`` where the options after ``@`` are ``mp=bf16`` (the bf16 policy
-underneath), ``param=<codec>`` or ``param=<forward>/<backward>`` (``param_codec=``), and any
-other keyword of :func:`commpress.fsdp.register` (``warmup_steps=0``). ``cp-auto`` is
+underneath), ``param=<codec>`` or ``param=<forward>/<backward>`` (``param_codec=``; ``param=none``:
+FSDP's own all-gather, gradient-only), and any other keyword of :func:`commpress.fsdp.register`
+(``warmup_steps=0``). Without ``param=`` a row runs ``register``'s default: a compressing codec
+(``cp-topk:ratio=0.01``, ``cp-sign``, ``cp-qsgd``, ...) gathers int8 parameters with the backward
+reusing the forward's frames, ``none`` and the casts keep FSDP's own all-gather. ``cp-auto`` is
 ``register(model, "auto", optimizer=opt)``: per module, exact / bf16 / compressed for the
 reduce-scatter and the all-gather from the cost model (``docs/fsdp.md``); its choices are printed
 and kept in the JSON (``auto``).
@@ -50,7 +53,7 @@ sys.path.insert(0, HERE)
 DEFAULT_METHODS = [
     "fp32",
     "cp-bf16@param=bf16",  # FSDP's bf16 wire with fp32 compute (the bf16 policy's bytes, this CPU's fast math)
-    "cp-qsgd",
+    "cp-qsgd@param=none",  # gradient-only
     "cp-qsgd:bits=2@param=int8/reuse",  # the recommended setting (docs/fsdp.md)
     "cp-sign@param=int8/reuse",
     "cp-auto",  # per module from the cost model (commpress.fsdp.auto)
@@ -101,6 +104,10 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+#: ``@param=`` left out: register's own default (commpress.fsdp.allgather.DEFAULT)
+DEFAULT = object()
+
+
 def run_method(method: str, args: argparse.Namespace, text: Any, heldout: tuple[torch.Tensor, torch.Tensor],
                rank: int, world: int) -> dict[str, Any]:
     import commpress.fsdp
@@ -116,7 +123,9 @@ def run_method(method: str, args: argparse.Namespace, text: Any, heldout: tuple[
     elif method.startswith("cp-"):
         codec, params, options = parse_method(method)
         shard_model(model, options.pop("mp", None))
-        param = options.pop("param", None)
+        param = options.pop("param", DEFAULT)
+        if param is None:  # parse_params reads "none" as None: FSDP's own all-gather, counted (gradient-only)
+            param = "none"
         if isinstance(param, str) and "/" in param:
             fwd, bwd = param.split("/")
             param = {"forward": fwd, "backward": bwd}
@@ -128,7 +137,7 @@ def run_method(method: str, args: argparse.Namespace, text: Any, heldout: tuple[
         # ``@optimizer=none``: the optimizer runs unchanged (not handed to commpress)
         handed = None if str(options.pop("optimizer", "")).lower() == "none" else opt
         state = commpress.fsdp.register(model, codec, optimizer=handed, **params, **options,
-                                        **({"param_codec": param} if param is not None else {}))
+                                        **({"param_codec": param} if param is not DEFAULT else {}))
     bf16 = method == "bf16" or (method.startswith("cp-") and "mp=bf16" in method)
     fsdp_ag, fsdp_rs = fsdp_wire(model, world, 2 if bf16 else 4, 2 if bf16 else 4)
     x_ho, y_ho = heldout[0][rank::world], heldout[1][rank::world]
@@ -243,6 +252,9 @@ def time_to(curve: list[list[float]], target: float) -> float | None:
 
 def table(data: dict[str, Any]) -> list[str]:
     res = data["results"]
+    if not any(r["method"] == "fp32" for r in res):  # rows run apart from their fp32 baseline: no target
+        res = [{"method": "fp32", "final_loss": float("nan"), "curve": []}, *res]
+        data = {**data, "results": res}
     base = next(r for r in res if r["method"] == "fp32")
     # the bf16 baseline: FSDP's MixedPrecisionPolicy, else its bytes with fp32 compute (bf16 math is ~8x slower on AVX2 CPUs)
     bf16 = next((r for r in res if r["method"] == "bf16"), None) or next(
@@ -254,6 +266,8 @@ def table(data: dict[str, Any]) -> list[str]:
     lines = [f"Target: held-out loss {target:.4f} (FSDP fp32's final x {LOSS_TARGET}); bytes per rank and step.", "",
              head, "|" + "---|" * (head.count("|") - 1)]
     for r in res:
+        if "ag_bytes" not in r:  # the placeholder baseline
+            continue
         t = time_to(r["curve"], target)
         total = r["ag_bytes"] + r["rs_bytes"]
         tx = [m for m in r["measured_tx"] if m is not None]

@@ -7,6 +7,8 @@ fails every rank instead of leaving the others in a collective.
 from __future__ import annotations
 
 import json
+import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -257,3 +259,131 @@ def case_nan_shard(rank: int, victim: int) -> None:
         opt.zero_grad(set_to_none=True)
         F.cross_entropy(model(x), y).backward()
         opt.step()
+
+
+# ----- the default (param_codec= not given) ---------------------------------------------------------
+def _comm_names(model: nn.Module) -> set[str]:
+    """The class names of the all-gather comms FSDP holds for ``model``'s FSDP modules."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return {type(m._get_fsdp_state()._fsdp_param_groups[0]._all_gather_comm).__name__  # type: ignore[operator]
+            for m in model.modules() if isinstance(m, FSDPModule)}
+
+
+class _Lines(logging.Handler):
+    """Keeps every message logged to ``commpress``."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _logged(fn: Any) -> tuple[Any, list[str]]:
+    log = logging.getLogger("commpress")
+    handler, level = _Lines(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        return fn(), handler.lines
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+
+
+def check_compressing_default(rank: int, world: int, steps: int = 3) -> None:
+    """``register(model, "topk")``: int8 forward + reuse backward, bit for bit the explicit setting, logged."""
+    model = make()
+    state, lines = _logged(lambda: commpress.fsdp.register(model, "topk", ratio=0.05))
+    assert_all_ranks(_comm_names(model) == {"CompressedAllGather"}, f"topk default installed {_comm_names(model)}")
+    assert state.allgather is not None
+    int8 = commpress.codecs.get("int8")
+    assert_all_ranks(state.allgather.codecs == {"forward": int8, "backward": int8} and state.allgather.reuse,
+                     f"topk default: {state.allgather.config()}")
+    cfg = state.config()
+    assert_all_ranks(cfg["param_codec_defaulted"] and cfg["param_codec"]["reuse"], f"config {cfg.get('param_codec')}")
+    why = "param_codec defaulted to int8/reuse because codec 'topk' compresses; pass param_codec='none' for gradient-only"
+    assert_all_ranks(state.param_codec_why == why, f"why: {state.param_codec_why!r}")
+    assert_all_ranks(any(why in line for line in lines) == (rank == 0), f"rank {rank} logged {lines}")
+    run(model, rank, steps)
+    s = state.stats()
+    assert_all_ranks(s["param_codec_defaulted"] == 1.0 and 0 < s["allgather_bytes_sent"] < s["allgather_dense_bytes"] / 3,
+                     f"topk default all-gather bytes {s}")
+    # the Linears reshard after forward: their backward decodes the kept frames (0 bytes); the root
+    # (FSDP does not reshard it after forward) is gathered once per step, int8, nothing kept
+    assert_all_ranks(s["allgather_backward_bytes_sent"] == 0 < s["allgather_backward_calls"], f"backward {s}")
+    root = state.allgather.plans["<root>"]
+    assert_all_ranks(root.calls == {"forward": steps, "backward": 0} and not any(root.compressed),
+                     f"root all-gathers {root.calls}, compressed {root.compressed} (LayerNorm: exact)")
+    bias = state.allgather.plans["h1"]
+    assert_all_ranks(bias.compressed == [True, False], f"h1 weight/bias compressed {bias.compressed}")
+    explicit = make()
+    commpress.fsdp.register(explicit, "topk", ratio=0.05, param_codec={"forward": "int8", "backward": "reuse"})
+    run(explicit, rank, steps)
+    assert_all_ranks(torch.equal(full_params(model), full_params(explicit)), "the default is not int8/reuse bit for bit")
+
+
+def check_exact_codecs_keep_fsdp(rank: int, world: int, steps: int = 3) -> None:
+    """``none`` and the casts keep FSDP's all-gather (``none``: plain FSDP bit for bit); ``"none"``/None opt out."""
+    ref = make()
+    run(ref, rank, steps)
+    for codec in ("none", "bf16", "fp16"):
+        model = make()
+        state = commpress.fsdp.register(model, codec)
+        assert_all_ranks(_comm_names(model) == {"DefaultAllGather"} and state.allgather is None,
+                         f"{codec}: all-gather {_comm_names(model)}")
+        assert_all_ranks(state.param_codec_defaulted and "does not compress" in state.param_codec_why,
+                         f"{codec}: {state.param_codec_why}")
+        run(model, rank, steps)
+        s = state.stats()
+        assert_all_ranks(s["param_codec_defaulted"] == 1.0 and not any(k.startswith("allgather") for k in s),
+                         f"{codec}: stats {sorted(s)}")
+        if codec == "none":
+            assert_all_ranks(torch.equal(full_params(model), full_params(ref)), "none: not FSDP bit for bit")
+    # gradient-only: param_codec="none" is FSDP's all-gather (counted), None leaves FSDP's own
+    plain = make()
+    commpress.fsdp.register(plain, "topk", ratio=0.05, param_codec=None)
+    assert_all_ranks(_comm_names(plain) == {"DefaultAllGather"}, f"param_codec=None installed {_comm_names(plain)}")
+    run(plain, rank, steps)
+    counted = make()
+    state = commpress.fsdp.register(counted, "topk", ratio=0.05, param_codec="none")
+    assert_all_ranks(not state.param_codec_defaulted and not state.config()["param_codec_defaulted"], "given, not defaulted")
+    run(counted, rank, steps)
+    s = state.stats()
+    assert_all_ranks(s["allgather_bytes_sent"] == s["allgather_dense_bytes"] > 0, f"param_codec='none' bytes {s}")
+    assert_all_ranks(torch.equal(full_params(counted), full_params(plain)), "param_codec='none' is not gradient-only")
+    default = make()
+    commpress.fsdp.register(default, "topk", ratio=0.05)
+    run(default, rank, steps)
+    assert_all_ranks(not torch.equal(full_params(default), full_params(plain)), "the default changed nothing")
+
+
+def check_checkpoint_across_defaults(rank: int, world: int) -> None:
+    """A gradient-only checkpoint loads into the new default (and back): the all-gather keeps no state."""
+    import io
+
+    for saved_with, loaded_with in (({"param_codec": "none"}, {}), ({}, {"param_codec": None})):
+        first = make()
+        state = commpress.fsdp.register(first, "topk", ratio=0.05, **saved_with)
+        run(first, rank, 3)
+        buf = io.BytesIO()
+        torch.save(state.state_dict(), buf)
+        saved = state.residuals()
+        second = make()
+        resumed = commpress.fsdp.register(second, "topk", ratio=0.05, **loaded_with)
+        buf.seek(0)
+        resumed.load_state_dict(torch.load(buf, weights_only=True))
+        got = resumed.residuals()
+        assert_all_ranks(resumed.step == state.step and sorted(got) == sorted(saved)
+                         and all(torch.equal(got[k], v) for k, v in saved.items()), f"{saved_with} -> {loaded_with}")
+        losses = run(second, rank, 2)
+        assert_all_ranks(all(math.isfinite(v) for v in losses), f"{saved_with} -> {loaded_with}: {losses}")
+
+
+def worker_defaults(rank: int, world: int) -> None:
+    """Every default scenario in one launch (tests/fsdp/test_fsdp_param_default.py)."""
+    check_compressing_default(rank, world)
+    check_exact_codecs_keep_fsdp(rank, world)
+    check_checkpoint_across_defaults(rank, world)

@@ -38,14 +38,15 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, rank: int, step: int) ->
 
 def worker_equivalence(rank: int, world: int) -> None:
     """Nothing dropped (top-k ratio 1): the reduce-scatter's SGD momentum is SGD momentum (1e-5);
-    AdamW's dense warm-up steps are FSDP + AdamW exactly; the group settings move as on DDP."""
+    AdamW's dense warm-up steps are FSDP + AdamW exactly; the group settings move as on DDP.
+    Gradient-only (``param_codec="none"``): the references are plain FSDP's exact all-gathers."""
     every = {"ratio": 1.0, "min_numel": 0, "dense_1d": False}  # every parameter compressed: local velocities
     mixed = {"ratio": 1.0}  # 1-D / small parameters dense: velocities on the shard too
     for kw, opts in (({"momentum": 0.9}, every), ({"momentum": 0.9}, mixed), ({"momentum": 0.9, "nesterov": True}, mixed),
                      ({"momentum": 0.8, "dampening": 0.5}, every)):
         ref, model = make_fsdp(), make_fsdp()
         ref_opt, opt = _sgd(ref.parameters(), **kw), _sgd(model.parameters(), **kw)
-        state = commpress.fsdp.register(model, "topk", optimizer=opt, **opts)
+        state = commpress.fsdp.register(model, "topk", optimizer=opt, param_codec="none", **opts)
         assert_all_ranks(all(g["momentum"] == 0 and g[GROUP_KEY]["momentum"] == kw["momentum"]
                              for g in opt.param_groups), "momentum not moved into the reduce-scatter")
         for step in range(6):
@@ -57,11 +58,12 @@ def worker_equivalence(rank: int, world: int) -> None:
     ref, model = make_fsdp(), make_fsdp()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-    state = commpress.fsdp.register(model, "topk", optimizer=opt, ratio=0.01, warmup_steps=4, warmup_codec="dense")
+    state = commpress.fsdp.register(model, "topk", optimizer=opt, ratio=0.01, warmup_steps=4, warmup_codec="dense",
+                                    param_codec="none")
     assert_all_ranks(state.adam is not None and state.warmup.steps == 4, "AdamW not adopted")
     quant = make_fsdp()  # the default warm-up: 8-bit QSGD through the all_to_all
     quant_opt = torch.optim.AdamW(quant.parameters(), lr=1e-3, weight_decay=0.01)
-    qstate = commpress.fsdp.register(quant, "topk", optimizer=quant_opt, ratio=0.01, warmup_steps=4)
+    qstate = commpress.fsdp.register(quant, "topk", optimizer=quant_opt, ratio=0.01, warmup_steps=4, param_codec="none")
     for step in range(4):
         _step(ref, ref_opt, rank, step)
         _step(model, opt, rank, step)
@@ -84,8 +86,9 @@ def worker_discovery(rank: int, world: int) -> None:
     """Registered without ``optimizer=``: the optimizer stepping the model is adopted after its first
     step, and the run then equals SGD momentum (nothing dropped, 1e-5) as with ``optimizer=``; AdamW
     gets the compressed-momentum mode; ``optimizer=None`` and a subset optimizer are left alone; a
-    checkpoint holding velocities needs ``optimizer=`` to resume (clear error)."""
-    every = {"ratio": 1.0, "min_numel": 0, "dense_1d": False}
+    checkpoint holding velocities needs ``optimizer=`` to resume (clear error). Gradient-only
+    (``param_codec="none"``) where the reference is plain FSDP + SGD momentum."""
+    every = {"ratio": 1.0, "min_numel": 0, "dense_1d": False, "param_codec": "none"}
     ref, model = make_fsdp(), make_fsdp()
     state = commpress.fsdp.register(model, "topk", **every)
     ref_opt, opt = _sgd(ref.parameters(), momentum=0.9), _sgd(model.parameters(), momentum=0.9)
@@ -291,7 +294,11 @@ def _digits(rank: int, world: int, seed: int) -> tuple[torch.Tensor, ...]:
 
 def train_digits_fsdp(rank: int, world: int, codec: str | None, opts: dict[str, Any], optim: dict[str, Any],
                       epochs: int, seed: int) -> float:
-    """Held-out accuracy of the digits MLP (tests/optim_workers.py's), every Linear and the root sharded."""
+    """Held-out accuracy of the digits MLP (tests/optim_workers.py's), every Linear and the root sharded.
+
+    Gradient-only (``param_codec="none"``): the MARGINS of tests/fsdp/test_fsdp_modes.py were measured on the reduce-scatter
+    alone (5 seeds); the default int8/reuse all-gather's quality is scripts/bench_fsdp_lm.py's table.
+    """
     xtr, ytr, xte, yte = _digits(rank, world, seed)
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
@@ -302,7 +309,7 @@ def train_digits_fsdp(rank: int, world: int, codec: str | None, opts: dict[str, 
     opt = (torch.optim.AdamW(model.parameters(), **optim) if "betas" in optim
            else torch.optim.SGD(model.parameters(), **optim))
     if codec is not None:
-        commpress.fsdp.register(model, codec, optimizer=opt, **opts)
+        commpress.fsdp.register(model, codec, optimizer=opt, **{"param_codec": "none", **opts})
     for _ in range(epochs):
         for i in range(0, len(xtr), 35):
             loss = F.cross_entropy(model(xtr[i : i + 35]), ytr[i : i + 35])

@@ -236,7 +236,9 @@ def case_corrupt(rank: int, victim: int, codec: str, opts: dict[str, Any]) -> No
     from misuse_workers import _corrupt_received
 
     model = make_fsdp(reshard_after_forward=False)
-    commpress.fsdp.register(model, codec, **opts)
+    # gradient-only: the corrupt frame must be the reduce-scatter's (the default int8 all-gather
+    # unpacks frames too: its faults are tests/fsdp/test_fsdp_allgather.py's)
+    commpress.fsdp.register(model, codec, param_codec="none", **opts)
     armed = _corrupt_received(victim)
 
     def on_step(step: int) -> None:

@@ -5,10 +5,12 @@
 :class:`FSDPCompressionState` (statistics, residual memory, checkpointing). Each rank encodes
 the chunks of the flat gradient bound for the other ranks, exchanges them with one all_to_all,
 and decodes and sums its own shard (:mod:`commpress.comm.reducescatter`). ``"none"`` is FSDP's
-own reduce-scatter, bit for bit. The parameter all-gathers (forward and backward) stay FSDP's
-unless ``param_codec=`` is given: ``register(model, "none", param_codec="int8")`` gathers
-block-scaled int8 parameters instead, a quarter of the float32 bytes
-(:mod:`commpress.fsdp.allgather`; the sharded parameters stay exact). ``register(model, "auto")``
+own reduce-scatter, bit for bit. The parameter all-gathers (forward and backward) follow the
+codec unless ``param_codec=`` says otherwise: a codec that compresses (``topk``, ``sign``,
+``qsgd``, ``randomk``, ...) gathers block-scaled int8 parameters in the forward, a quarter of the
+float32 bytes, and the backward decodes the forward's kept frames (0 bytes); ``none`` and the casts
+``fp16`` / ``bf16`` keep FSDP's own all-gather (:mod:`commpress.fsdp.allgather`; the sharded
+parameters stay exact). ``param_codec="none"`` is gradient-only. ``register(model, "auto")``
 chooses per module, for each of the two collectives, exact, bf16 or compressed from the cost
 model (:mod:`commpress.fsdp.auto`), so a fast link keeps FSDP's own collectives.
 
@@ -43,12 +45,20 @@ __all__ = [
 
 
 def register(model: torch.nn.Module, codec: str | Codec, **options: Any) -> FSDPCompressionState:
-    """Install commpress's reduce-scatter on every FSDP module of ``model``; return its state.
+    """Install commpress's reduce-scatter (and parameter all-gather) on every FSDP module of ``model``; return its state.
 
     ``options`` are those of :class:`FSDPCompressionState` (``optimizer=``, ``warmup_steps=``,
-    ``divergence_guard=``, ``residual_dtype=`` as on DDP's ``register``; ``param_codec=``
-    compresses the parameter all-gather) plus, when ``codec`` is a name, the codec's parameters;
-    ``codec="auto"`` takes ``auto_link=`` and ``auto_calibration_numel=`` instead (:mod:`.auto`).
+    ``divergence_guard=``, ``residual_dtype=`` as on DDP's ``register``; ``param_codec=`` the
+    parameter all-gather) plus, when ``codec`` is a name, the codec's parameters; ``codec="auto"``
+    takes ``auto_link=`` and ``auto_calibration_numel=`` instead (:mod:`.auto`) and no ``param_codec=``.
+
+    ``param_codec=`` left out: a compressing ``codec`` (anything but ``"none"``, ``"fp16"``,
+    ``"bf16"``) also compresses the parameter all-gathers, ``{"forward": "int8", "backward":
+    "reuse"}``, so all three of a sharded step's volumes shrink (gradient-only, the step's bytes
+    fall at most 1.5x); ``none`` and the casts keep FSDP's own all-gather. The registration logs
+    which and why (``state.param_codec_why``; ``state.stats()["param_codec_defaulted"]``).
+    ``param_codec="none"`` (or ``None``) is gradient-only, as before this default.
+
     Call it on every rank, after ``fully_shard`` and before the first backward pass.
     """
     return FSDPCompressionState(model, codec, **options)

@@ -72,7 +72,7 @@ from ..comm.costmodel import (
     time_over_ranks,
 )
 from ..errors import CodecError
-from .allgather import AllGatherPlan, frame_layout
+from .allgather import DEFAULT, AllGatherPlan, frame_layout
 
 if TYPE_CHECKING:
     from .state import FSDPCompressionState
@@ -157,20 +157,20 @@ class FSDPAuto:
         self.none: Codec = codecs.get("none")
 
     @classmethod
-    def from_options(cls, codec_params: dict[str, Any], *, param_codec: Any = None, error_feedback: Any = None,
+    def from_options(cls, codec_params: dict[str, Any], *, param_codec: Any = DEFAULT, error_feedback: Any = None,
                      warmup_codec: Any = None, warmup_steps: Any = None) -> FSDPAuto:
         """The policy from ``register``'s ``auto_*`` options (popped from ``codec_params``); refuse the rest.
 
         ``codec="auto"`` takes no codec parameters (its candidates are fixed), no ``param_codec=``
-        (it chooses the all-gathers), no ``error_feedback=True`` and no ``warmup_codec=`` or
+        (it chooses the all-gathers; any value given, ``None`` and ``"none"`` included, is refused), no ``error_feedback=True`` and no ``warmup_codec=`` or
         ``warmup_steps`` above 0 (its candidates keep no residuals): each raises a
         :class:`CodecError` naming it.
         """
         link = codec_params.pop("auto_link", None)
         numel = codec_params.pop("auto_calibration_numel", CALIBRATION_NUMEL)
-        for key, value, why in (("param_codec", param_codec, "it chooses each module's parameter all-gather itself"),
-                                ("warmup_codec", warmup_codec, "its candidates keep no residuals and need no warm-up")):
-            if value is not None:
+        for key, given, why in (("param_codec", param_codec is not DEFAULT, "it chooses each module's parameter all-gather itself"),
+                                ("warmup_codec", warmup_codec is not None, "its candidates keep no residuals and need no warm-up")):
+            if given:
                 raise CodecError(f"codec='auto' takes no {key}= ({why}); drop {key}= or name a codec")
         if warmup_steps:
             raise CodecError(f"codec='auto' takes no warmup_steps={warmup_steps!r}: its candidates keep no residuals and "

@@ -92,7 +92,7 @@ from ..rng import derive_seed
 from ..selection import DEFAULT_MIN_NUMEL, CompressFilter, SelectionRule
 from ..statslog import LogsStats, StatsLogger
 from . import residuals as rstore
-from .allgather import REUSE, ParamAllGather, resolve_param_codec
+from .allgather import DEFAULT, REUSE, ParamAllGather, default_param_codec, resolve_param_codec
 from .auto import AUTO_OPTIONS, FSDPAuto, is_auto
 from .dcp import DCPState
 
@@ -213,12 +213,18 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
         verify: compare a digest of the configuration across ranks at construction (through the
             process group's store, as DDP's ``register`` does) so ranks set up
             differently fail with :class:`ConfigurationError` instead of hanging.
-        param_codec: the parameter all-gather (:mod:`commpress.fsdp.allgather`): ``None``
-            (default) leaves FSDP's own untouched; ``"int8"`` / ``"int4"`` (block-scaled, any
+        param_codec: the parameter all-gather (:mod:`commpress.fsdp.allgather`). Not given
+            (default): ``{"forward": "int8", "backward": "reuse"}`` when ``codec`` compresses
+            (anything but ``none``, ``fp16``, ``bf16``), else FSDP's own, untouched
+            (:func:`~commpress.fsdp.allgather.default_param_codec`; logged at registration,
+            ``param_codec_why``). ``None`` leaves FSDP's own untouched and ``"none"`` is FSDP's
+            own with its bytes counted: gradient-only. ``"int8"`` / ``"int4"`` (block-scaled, any
             ``"int8:block_size=128"`` spec, or a fixed-size non-sparse :class:`Codec`) quantises
             the gathered copy of the parameters the selection rule compresses (the sharded
-            parameters stay exact); ``"none"`` is FSDP's own all-gather with its bytes counted;
-            ``{"forward": ..., "backward": ...}`` chooses per direction.
+            parameters stay exact); ``{"forward": ..., "backward": ...}`` chooses per direction
+            (``"backward": "reuse"``: the backward decodes the forward's kept frames, 0 bytes).
+            The parameter all-gather keeps nothing between steps and checkpoints do not record
+            it: a checkpoint loads whatever this run's ``param_codec`` is.
         **codec_params: codec parameters when ``codec`` is a name.
 
     Checkpoints: residuals and velocities differ per rank. Either one file per rank
@@ -240,7 +246,7 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
         "feedback", "_low", "_stats", "_rule", "_group", "faults", "step", "warmup", "guard", "correction",
         "optimizer", "discovery", "adam", "handover", "_placement", "_params", "_measured", "allgather",
         "_stats_log", "auto", "_first_gradients", "keeping_first_gradients", "_find_timeout", "velocity_kind",
-        "_vstore",
+        "_vstore", "param_codec_defaulted", "param_codec_why",
     )
 
     def __init__(
@@ -260,7 +266,7 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
         seed: int = 0,
         verify: bool = True,
         verify_timeout: float = VERIFY_TIMEOUT_S,
-        param_codec: Any = None,
+        param_codec: Any = DEFAULT,
         **codec_params: Any,
     ) -> None:
         self.auto: FSDPAuto | None = None
@@ -269,10 +275,14 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
                                               warmup_codec=warmup_codec, warmup_steps=warmup_steps)
             codec, codec_params = self.auto.grad_codec, {}
             param_codec = {"forward": self.auto.param_codec, "backward": REUSE}
+            #: param_codec= was left out (the default); why this all-gather (logged at registration)
+            self.param_codec_defaulted, self.param_codec_why = True, "codec='auto' chooses each module's all-gather"
         elif any(k in AUTO_OPTIONS for k in codec_params):
             raise CodecError(f"{', '.join(sorted(k for k in codec_params if k in AUTO_OPTIONS))} are options of "
                              f"codec='auto', not of {codec!r}")
         self.codec = resolve_codec(codec, codec_params, "the all_to_all")
+        if self.auto is None:
+            param_codec, self.param_codec_defaulted, self.param_codec_why = default_param_codec(param_codec, self.codec)
         param_codecs = resolve_param_codec(param_codec)
         error_feedback = opts.error_feedback_default(error_feedback, self.codec)
         opts.check_bools(error_feedback=error_feedback, dense_1d=dense_1d, verify=verify)
@@ -357,6 +367,8 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
             modules[plan.name].set_custom_reduce_scatter(CompressedReduceScatter(self, plan))  # type: ignore[arg-type]
         if self.allgather is not None:
             self.allgather.install(model)
+        if self.rank == 0:
+            logger.info("commpress.fsdp.register: %s", self.param_codec_why)
 
     # ----- planning --------------------------------------------------------------------------
     def _plan(self, model: torch.nn.Module) -> list[ModulePlan]:
@@ -452,6 +464,7 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
             "modules": [[m.name, [[p.name, list(p.shape), p.chunk_numel, p.compressed] for p in m.params]]
                         for m in self.modules],
             **({} if self.allgather is None else {"param_codec": self.allgather.config()}),
+            "param_codec_defaulted": self.param_codec_defaulted,
             **({} if self.auto is None else {"auto": self.auto.config()}),
         }
 
@@ -838,7 +851,9 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
         to other ranks. ``*_per_step``: divided by the most reduce-scatters of one module.
         Memory: ``residual_bytes`` + ``velocity_bytes`` = ``compression_state_bytes``, against
         ``shard_bytes`` (this rank's gradient shard); the guard's and the SGD hand-over's counters.
-        With ``param_codec``, the ``allgather_*`` keys of :meth:`ParamAllGather.stats` too.
+        With a parameter all-gather installed (``param_codec=``, or its default for a compressing
+        codec), the ``allgather_*`` keys of :meth:`ParamAllGather.stats` too; ``param_codec_defaulted``
+        is 1 when ``param_codec=`` was left out (:attr:`param_codec_why` says what that chose and why).
         """
         s: dict[str, float] = dict(self._stats.as_dict())
         steps = max((m.calls for m in self.modules), default=0)
@@ -851,6 +866,7 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
         s.update(self.guard.stats())
         if self.handover is not None:
             s.update(self.handover.stats())
+        s["param_codec_defaulted"] = float(self.param_codec_defaulted)
         if self.allgather is not None:  # the parameter all-gather's counters (commpress.fsdp.allgather)
             s.update(self.allgather.stats())
         if self.auto is not None:  # codec="auto": each module's choice and predictions (commpress.fsdp.auto)
@@ -1029,5 +1045,6 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
     def __repr__(self) -> str:
         return (
             f"FSDPCompressionState(codec={self.codec!r}, error_feedback={self.error_feedback}, "
-            f"residual_dtype={self.residual_dtype}, rank={self.rank}/{self.world_size}, modules={len(self.modules)})"
+            f"residual_dtype={self.residual_dtype}, rank={self.rank}/{self.world_size}, modules={len(self.modules)}, "
+            f"all-gather={'FSDP' if self.allgather is None else self.allgather.config()})"
         )
