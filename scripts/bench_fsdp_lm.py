@@ -17,7 +17,8 @@ Methods (``--methods``, ``;``-separated): ``fp32`` (FSDP2 as is), ``bf16`` (FSDP
 ``cp-<codec>[:k=v,...][@option=value,...]`` for ``commpress.fsdp.register(model, codec,
 optimizer=opt, ...)`` where the options after ``@`` are ``mp=bf16`` (the bf16 policy
 underneath), ``param=<codec>`` or ``param=<forward>/<backward>`` (``param_codec=``), and any
-other keyword of :func:`commpress.fsdp.register` (``warmup_steps=0``). ``cp-auto`` is
+other keyword of :func:`commpress.fsdp.register` (``warmup_steps=0``); ``exact=a+b`` (a
+diagnostic) sends the parameters named ``a`` and ``b`` exact (a ``compress_filter=`` on the default rule). ``cp-auto`` is
 ``register(model, "auto", optimizer=opt)``: per module, exact / bf16 / compressed for the
 reduce-scatter and the all-gather from the cost model (``docs/fsdp.md``); its choices are printed
 and kept in the JSON (``auto``).
@@ -117,6 +118,12 @@ def run_method(method: str, args: argparse.Namespace, text: Any, heldout: tuple[
         codec, params, options = parse_method(method)
         shard_model(model, options.pop("mp", None))
         param = options.pop("param", None)
+        exact = options.pop("exact", None)
+        if exact is not None:  # diagnostic: these parameters (``+``-separated names) sent exact
+            from commpress.selection import SelectionRule
+
+            names, rule = set(str(exact).split("+")), SelectionRule()
+            options["compress_filter"] = lambda n, p: n not in names and rule(n, tuple(p.shape), p.numel())
         if isinstance(param, str) and "/" in param:
             fwd, bwd = param.split("/")
             param = {"forward": fwd, "backward": bwd}
