@@ -52,10 +52,31 @@ class SelectionRule:
         return n >= self.min_numel
 
 
+def embedding_like(model: torch.nn.Module) -> set[int]:
+    """``id`` s of ``model``'s embedding-like parameters: the tables indexed by a vocabulary.
+
+    Those are the weights of every ``nn.Embedding`` / ``nn.EmbeddingBag``, every parameter tied to
+    one (the same tensor under another module, e.g. a tied output layer), and the weight of every
+    ``nn.Linear`` shaped like one of those tables (``(num_embeddings, embedding_dim)``: the output
+    projection onto its vocabulary, tied or not). Their gradients' rows scale with how often each
+    token occurs, so one scale per tensor (sign, QSGD's norm) or one top-k over it serves the
+    frequent rows and buries the rare ones; the FSDP adapter keeps them exact
+    (``exact_embeddings=``). A model whose width equals its vocabulary size also matches its square
+    ``nn.Linear`` layers (then pass ``compress_filter=``).
+    """
+    tables = [m.weight for m in model.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))]
+    out = {id(w) for w in tables}
+    shapes = {tuple(w.shape) for w in tables}
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear) and tuple(m.weight.shape) in shapes:
+            out.add(id(m.weight))
+    return out
+
+
 def compress(name: str, shape: Sequence[int], numel: int | None = None, *,
              min_numel: int = DEFAULT_MIN_NUMEL, dense_1d: bool = True) -> bool:
     """:class:`SelectionRule` as a function: ``compress("fc.weight", (256, 784))`` -> True."""
     return SelectionRule(min_numel, dense_1d)(name, shape, numel)
 
 
-__all__ = ["DEFAULT_MIN_NUMEL", "CompressFilter", "SelectionRule", "compress"]
+__all__ = ["DEFAULT_MIN_NUMEL", "CompressFilter", "SelectionRule", "compress", "embedding_like"]

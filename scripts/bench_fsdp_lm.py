@@ -18,7 +18,8 @@ Methods (``--methods``, ``;``-separated): ``fp32`` (FSDP2 as is), ``bf16`` (FSDP
 optimizer=opt, ...)`` where the options after ``@`` are ``mp=bf16`` (the bf16 policy
 underneath), ``param=<codec>`` or ``param=<forward>/<backward>`` (``param_codec=``; ``param=none``:
 FSDP's own all-gather, gradient-only), and any other keyword of :func:`commpress.fsdp.register`
-(``warmup_steps=0``). Without ``param=`` a row runs ``register``'s default: a compressing codec
+(``warmup_steps=0``); ``exact=a+b`` (a diagnostic) sends the parameters named ``a`` and ``b``
+exact (a ``compress_filter=`` on the default rule). Without ``param=`` a row runs ``register``'s default: a compressing codec
 (``cp-topk:ratio=0.01``, ``cp-sign``, ``cp-qsgd``, ...) gathers int8 parameters with the backward
 reusing the forward's frames, ``none`` and the casts keep FSDP's own all-gather. ``cp-auto`` is
 ``register(model, "auto", optimizer=opt)``: per module, exact / bf16 / compressed for the
@@ -126,6 +127,12 @@ def run_method(method: str, args: argparse.Namespace, text: Any, heldout: tuple[
         param = options.pop("param", DEFAULT)
         if param is None:  # parse_params reads "none" as None: FSDP's own all-gather, counted (gradient-only)
             param = "none"
+        exact = options.pop("exact", None)
+        if exact is not None:  # diagnostic: these parameters (``+``-separated names) sent exact
+            from commpress.selection import SelectionRule
+
+            names, rule = set(str(exact).split("+")), SelectionRule()
+            options["compress_filter"] = lambda n, p: n not in names and rule(n, tuple(p.shape), p.numel())
         if isinstance(param, str) and "/" in param:
             fwd, bwd = param.split("/")
             param = {"forward": fwd, "backward": bwd}

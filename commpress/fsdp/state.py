@@ -89,7 +89,7 @@ from ..optim import (
     optimizer_mode,
 )
 from ..rng import derive_seed
-from ..selection import DEFAULT_MIN_NUMEL, CompressFilter, SelectionRule
+from ..selection import DEFAULT_MIN_NUMEL, CompressFilter, SelectionRule, embedding_like
 from ..statslog import LogsStats, StatsLogger
 from . import residuals as rstore
 from .allgather import DEFAULT, REUSE, ParamAllGather, default_param_codec, resolve_param_codec
@@ -208,7 +208,14 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
             reduce dense for a while (flushing the residuals) when it runs away; ``True``
             (default), ``False`` or a :class:`~commpress.optim.DivergenceGuard`.
         min_numel, dense_1d, compress_filter: which parameters are compressed (the DDP rule:
-            ``commpress.selection.SelectionRule`` on the full parameter shape).
+            ``commpress.selection.SelectionRule`` on the full parameter shape); ``compress_filter``
+            replaces the rule and ``exact_embeddings`` both.
+        exact_embeddings: ``True`` (default) reduces and gathers the embedding-like parameters
+            exact (:func:`commpress.selection.embedding_like`: ``nn.Embedding`` / ``EmbeddingBag``
+            weights, parameters tied to them, ``nn.Linear`` weights of an embedding table's shape,
+            i.e. the output projection onto the vocabulary), whatever the codec: their rows scale
+            with token frequency and one scale or top-k per tensor buries the rare ones (measured
+            on the byte LM, ``docs/fsdp.md``). ``False``: the rule alone, as on DDP.
         seed: base of every derived seed; torch's global RNG is never used.
         verify: compare a digest of the configuration across ranks at construction (through the
             process group's store, as DDP's ``register`` does) so ranks set up
@@ -263,6 +270,7 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
         min_numel: int = DEFAULT_MIN_NUMEL,
         dense_1d: bool = True,
         compress_filter: CompressFilter | None = None,
+        exact_embeddings: bool = True,
         seed: int = 0,
         verify: bool = True,
         verify_timeout: float = VERIFY_TIMEOUT_S,
@@ -285,7 +293,8 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
             param_codec, self.param_codec_defaulted, self.param_codec_why = default_param_codec(param_codec, self.codec)
         param_codecs = resolve_param_codec(param_codec)
         error_feedback = opts.error_feedback_default(error_feedback, self.codec)
-        opts.check_bools(error_feedback=error_feedback, dense_1d=dense_1d, verify=verify)
+        opts.check_bools(error_feedback=error_feedback, dense_1d=dense_1d, verify=verify,
+                         exact_embeddings=exact_embeddings)
         assert isinstance(error_feedback, bool)
         kind = rstore.resolve_kind(residual_dtype)
         self.warmup = Warmup(warmup_steps, warmup_codec, needed=self.codec.value_blind and error_feedback,
@@ -304,9 +313,11 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
             rule = SelectionRule(min_numel, dense_1d)
         except ValueError as exc:
             raise CodecError(str(exc)) from None
-        self._rule: CompressFilter = compress_filter or (lambda name, p: rule(name, tuple(p.shape), p.numel()))
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module after fully_shard, got {type(model).__name__}")
+        exact = embedding_like(model) if exact_embeddings else set()  # reduced and gathered exact (docs/fsdp.md)
+        self._rule: CompressFilter = compress_filter or (
+            lambda name, p: id(p) not in exact and rule(name, tuple(p.shape), p.numel()))
         opts.require_process_group()
         self.error_feedback = error_feedback
         self._stats = CommStats()
