@@ -76,10 +76,11 @@ def worker_exact_embeddings(rank: int, world: int) -> None:
         reference = _one_backward(make_lm(tied), rank)
         vocab = ["embed.weight"] if tied else ["embed.weight", "head.weight"]
         blocks = [n for n in reference if n.startswith("blocks.") and reference[n].dim() == 2]
-        for exact, codec, opts in ((True, "sign", {}), (True, "qsgd", {"bits": 2}), (True, "topk", {"ratio": 0.01}),
-                                   (False, "sign", {})):
+        for given, codec, opts in ((True, "sign", {}), (True, "qsgd", {"bits": 2}), (None, "topk", {"ratio": 0.01}),
+                                   (False, "sign", {}), (None, "sign", {})):
+            exact = given if given is not None else codec != "sign"  # the default: exact but for sign
             model = make_lm(tied)
-            state = commpress.fsdp.register(model, codec, warmup_steps=0, optimizer=None, exact_embeddings=exact,
+            state = commpress.fsdp.register(model, codec, warmup_steps=0, optimizer=None, exact_embeddings=given,
                                             param_codec="int8", **opts)
             planned = {p.name: p.compressed for m in state.modules for p in m.params}
             gathered = {n: c for plan in state.allgather.plans.values()  # type: ignore[union-attr]
@@ -90,8 +91,8 @@ def worker_exact_embeddings(rank: int, world: int) -> None:
             assert_all_ranks(all(planned[n] and gathered[n] for n in blocks), f"{where}: blocks not compressed")
             # the int8 all-gather changes the blocks' forward: gather them exactly for step 0's comparison
             model2 = make_lm(tied)
-            state2 = commpress.fsdp.register(model2, codec, warmup_steps=0, optimizer=None, exact_embeddings=exact,
-                                             **opts)
+            state2 = commpress.fsdp.register(model2, codec, warmup_steps=0, optimizer=None, exact_embeddings=given,
+                                             param_codec="none", **opts)
             grads = _one_backward(model2, rank)
             same = all(torch.equal(grads[n], reference[n]) for n in vocab)
             assert_all_ranks(same is exact, f"{where}: vocabulary gradients equal to FSDP's: {same}")

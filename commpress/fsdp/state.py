@@ -210,12 +210,13 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
         min_numel, dense_1d, compress_filter: which parameters are compressed (the DDP rule:
             ``commpress.selection.SelectionRule`` on the full parameter shape); ``compress_filter``
             replaces the rule and ``exact_embeddings`` both.
-        exact_embeddings: ``True`` (default) reduces and gathers the embedding-like parameters
-            exact (:func:`commpress.selection.embedding_like`: ``nn.Embedding`` / ``EmbeddingBag``
+        exact_embeddings: ``True`` reduces and gathers the embedding-like parameters exact
+            (:func:`commpress.selection.embedding_like`: ``nn.Embedding`` / ``EmbeddingBag``
             weights, parameters tied to them, ``nn.Linear`` weights of an embedding table's shape,
-            i.e. the output projection onto the vocabulary), whatever the codec: their rows scale
-            with token frequency and one scale or top-k per tensor buries the rare ones (measured
-            on the byte LM, ``docs/fsdp.md``). ``False``: the rule alone, as on DDP.
+            i.e. the output projection onto the vocabulary): their rows scale with token frequency
+            and one scale or top-k per tensor buries the rare ones. ``False``: the rule alone, as
+            on DDP. ``None`` (default): True for every codec but ``sign``, the one it made worse
+            (measured on the byte LM with AdamW and with SGD momentum, ``docs/fsdp.md``).
         seed: base of every derived seed; torch's global RNG is never used.
         verify: compare a digest of the configuration across ranks at construction (through the
             process group's store, as DDP's ``register`` does) so ranks set up
@@ -270,7 +271,7 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
         min_numel: int = DEFAULT_MIN_NUMEL,
         dense_1d: bool = True,
         compress_filter: CompressFilter | None = None,
-        exact_embeddings: bool = True,
+        exact_embeddings: bool | None = None,
         seed: int = 0,
         verify: bool = True,
         verify_timeout: float = VERIFY_TIMEOUT_S,
@@ -293,6 +294,8 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
             param_codec, self.param_codec_defaulted, self.param_codec_why = default_param_codec(param_codec, self.codec)
         param_codecs = resolve_param_codec(param_codec)
         error_feedback = opts.error_feedback_default(error_feedback, self.codec)
+        if exact_embeddings is None:  # measured: helps every codec but sign (docs/fsdp.md)
+            exact_embeddings = self.codec.name != "sign"
         opts.check_bools(error_feedback=error_feedback, dense_1d=dense_1d, verify=verify,
                          exact_embeddings=exact_embeddings)
         assert isinstance(error_feedback, bool)
