@@ -19,7 +19,9 @@ import json
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,6 +33,20 @@ import commpress.ddp  # noqa: E402
 from commpress.checkpoint import write_private  # noqa: E402
 
 from ddp_workers import COLLECTIVE_TIMEOUT_S, batch, flat_params, make_ddp, train_step  # noqa: E402
+
+
+def _loop(phase: str, rank: int, state: Any, save: Callable[[int], None], steps: range, signal_rank: int,
+          signal_at: int, step_fn: Callable[[int], None], installed: list[Any]) -> None:
+    """Train ``steps``; ``preempt``: with the handler installed (appended to ``installed``, for
+    ``save``) and SIGTERM to ``signal_rank`` before ``signal_at``."""
+    handler = commpress.install_preemption_handler(state, save) if phase == "preempt" else None
+    installed.append(handler)
+    for step in steps:
+        if handler is not None and rank == signal_rank and step == signal_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        step_fn(step)
+    if handler is not None:
+        raise SystemExit(f"rank {rank}: trained to the end, the handler never stopped it")
 
 
 def train(phase: str, rank: int, out: Path, total: int, signal_rank: int, signal_at: int) -> None:
@@ -45,21 +61,17 @@ def train(phase: str, rank: int, out: Path, total: int, signal_rank: int, signal
         state.load(str(out / f"commpress-rank{rank}.cpst"))
         start = int(ckpt["step"])
 
+    installed: list[Any] = []
+
     def save(step: int) -> None:
         buf = io.BytesIO()
         torch.save({"model": ddp.module.state_dict(), "optim": opt.state_dict(), "step": step}, buf)
         write_private(str(out / f"ckpt-rank{rank}.pt"), buf.getvalue())  # atomic, like state.save
         state.save(str(out / f"commpress-rank{rank}.cpst"))
-        (out / f"saved-rank{rank}.json").write_text(json.dumps({"step": step, "signalled": handler.signalled}))
+        (out / f"saved-rank{rank}.json").write_text(json.dumps({"step": step, "signalled": installed[0].signalled}))
 
-    if phase == "preempt":
-        handler = commpress.install_preemption_handler(state, save)
-    for step in range(start, total):
-        if phase == "preempt" and rank == signal_rank and step == signal_at:
-            os.kill(os.getpid(), signal.SIGTERM)
-        train_step(ddp, opt, rank, step)
-    if phase == "preempt":
-        raise SystemExit(f"rank {rank}: trained to the end, the handler never stopped it")
+    _loop(phase, rank, state, save, range(start, total), signal_rank, signal_at,
+          lambda step: train_step(ddp, opt, rank, step), installed)
     torch.save(flat_params(ddp), out / f"final-{phase}-rank{rank}.pt")
 
 
@@ -91,21 +103,19 @@ def train_fsdp(phase: str, rank: int, out: Path, total: int, signal_rank: int, s
         set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
         start = json.loads((out / f"saved-rank{rank}.json").read_text())["step"]
 
+    installed: list[Any] = []
+
     def save(step: int) -> None:
         dcp.save(checkpoint(), checkpoint_id=str(out / "dcp"))  # every rank: one checkpoint of the job
-        (out / f"saved-rank{rank}.json").write_text(json.dumps({"step": step, "signalled": handler.signalled}))
+        (out / f"saved-rank{rank}.json").write_text(json.dumps({"step": step, "signalled": installed[0].signalled}))
 
-    if phase == "preempt":
-        handler = commpress.install_preemption_handler(state, save)
-    for step in range(start, total):
-        if phase == "preempt" and rank == signal_rank and step == signal_at:
-            os.kill(os.getpid(), signal.SIGTERM)
+    def train_step_fsdp(step: int) -> None:
         x, y = batch(rank, step)
         opt.zero_grad(set_to_none=True)
         F.cross_entropy(model(x), y).backward()
         opt.step()
-    if phase == "preempt":
-        raise SystemExit(f"rank {rank}: trained to the end, the handler never stopped it")
+
+    _loop(phase, rank, state, save, range(start, total), signal_rank, signal_at, train_step_fsdp, installed)
     params = full_params(model)  # a collective: every rank
     torch.save(params, out / f"final-{phase}-rank{rank}.pt")
 
