@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from collections.abc import Sequence
 from types import FrameType
 from typing import Any
@@ -48,8 +49,7 @@ class StopAgreement:
 
     Build it on every rank of the run (the communicator is duplicated: a collective). Call
     :meth:`poll` often (it never blocks); it returns the agreed stop step once this rank knows
-    it, else None. :meth:`close` restores the previous signal handlers and frees the
-    communicator.
+    it, else None. :meth:`close` restores the previous signal handlers.
 
     Args:
         comm: the run's communicator (rank 0 is server 0).
@@ -114,22 +114,24 @@ class StopAgreement:
         return self.stop_step
 
     def close(self) -> None:
-        """Wait for this rank's sends, drop unread requests, restore the signal handlers, free the communicator.
+        """Restore the previous signal handlers; finish this rank's sends and drop late requests.
 
-        Collective (every rank of the run calls it at the end).
+        Nothing collective: ranks end a run in different ways (a dropped worker, a failed peer),
+        and one that never joined a barrier would hang the others. The duplicate communicator is
+        left to MPI's finalisation (one per run).
         """
-        for req, _ in self._sends:
-            req.Wait()
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
+        deadline = time.monotonic() + 1.0
+        for req, _ in self._sends:  # one int64 each: sent eagerly; a peer that is gone must not block us
+            while not req.Test() and time.monotonic() < deadline:
+                time.sleep(0.001)
         self._sends.clear()
-        self.comm.Barrier()  # every rank's requests are sent before rank 0 drains them
         if self.rank == 0:  # requests that came after the decision (several ranks signalled)
             status = mpi().Status()
             while self.comm.Iprobe(source=mpi().ANY_SOURCE, tag=TAG_REQUEST, status=status):
                 self._receive(status.Get_source(), TAG_REQUEST)
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
-        self._previous.clear()
-        self.comm.Free()
 
 
 __all__ = ["MARGIN", "StopAgreement", "TAG_REQUEST", "TAG_STOP"]
