@@ -32,6 +32,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -54,6 +55,42 @@ SAVE_TIMEOUT_S = 300.0
 _AUTO = "auto"
 #: ``optimizer=`` of :class:`PreemptionHandler`: count the steps of the first optimizer that steps
 FIRST_TO_STEP = "first-to-step"
+
+
+class SignalFlag:
+    """Handlers for ``signals`` that only record the first one received, and put back the old ones.
+
+    A handler may run in the middle of anything the main thread does (a store call, an MPI
+    call), so it does no I/O and takes no lock: the flag is read between steps by whoever owns
+    it. ``SA_RESTART`` semantics (``siginterrupt(sig, False)``): a system call it lands in resumes.
+
+    Args:
+        signals: the signals to catch.
+        off_main_thread: outside the main thread, where Python cannot install handlers, log this
+            line and catch nothing; None (default) raises there as :func:`signal.signal` does.
+    """
+
+    def __init__(self, signals: Sequence[int], *, off_main_thread: str | None = None) -> None:
+        #: the first signal received, or None
+        self.signalled: int | None = None
+        self._previous: dict[int, Any] = {}
+        if off_main_thread is not None and threading.current_thread() is not threading.main_thread():
+            logger.info(off_main_thread)
+            return
+        for sig in signals:
+            self._previous[sig] = signal.signal(sig, self.set)
+            signal.siginterrupt(sig, False)
+
+    def set(self, signum: int, frame: FrameType | None = None) -> None:
+        """The handler: record ``signum`` unless a signal came before it."""
+        if self.signalled is None:
+            self.signalled = signum
+
+    def restore(self) -> None:
+        """Put back the handlers that were installed before (idempotent)."""
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}
 
 
 def stop_step(posted_at: int, check_every: int = 1) -> int:
@@ -143,8 +180,6 @@ class PreemptionHandler:
         self.save_timeout = float(save_timeout)
         #: steps completed (``start_step`` included)
         self.step = int(start_step)
-        #: the first signal received by this rank, or None (set by the signal handler, nothing else)
-        self.signalled: int | None = None
         #: True once this rank has saved at the stop step
         self.stopped = False
         self._stop: int | None = None
@@ -164,10 +199,7 @@ class PreemptionHandler:
             self._key = f"commpress/preempt/{group_name(group)}/{attempt}"
         else:
             self._key = "commpress/preempt"
-        self._previous: dict[int, Any] = {}
-        for sig in signals:
-            self._previous[sig] = signal.signal(sig, self._on_signal)
-            signal.siginterrupt(sig, False)  # SA_RESTART: a system call the signal lands in resumes
+        self._flag = SignalFlag(signals)
         self._counted: weakref.ref[torch.optim.Optimizer] | None = None
         self._hook: RemovableHandle | None = None
         if optimizer == FIRST_TO_STEP:
@@ -176,9 +208,13 @@ class PreemptionHandler:
             self._hook = optimizer.register_step_post_hook(self._after_step)
 
     # ----- the signal handler: a flag, nothing else ------------------------------------------
+    @property
+    def signalled(self) -> int | None:
+        """The first signal this rank received, or None (set by the signal handler, nothing else)."""
+        return self._flag.signalled
+
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        if self.signalled is None:
-            self.signalled = signum
+        self._flag.set(signum, frame)
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.step_done()
@@ -272,9 +308,7 @@ class PreemptionHandler:
 
     def close(self) -> None:
         """Restore the previous signal handlers and remove the optimizer hook."""
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
-        self._previous = {}
+        self._flag.restore()
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
@@ -372,4 +406,4 @@ def init_restartable_process_group(backend: str = "gloo", *, timeout: datetime.t
                             world_size=world, **kwargs)
 
 
-__all__ = ["EXIT_CODE", "PreemptionHandler", "init_restartable_process_group", "install_preemption_handler", "stop_step"]
+__all__ = ["EXIT_CODE", "PreemptionHandler", "SignalFlag", "init_restartable_process_group", "install_preemption_handler", "stop_step"]

@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import logging
 import signal
-import threading
 import time
 from collections.abc import Sequence
-from types import FrameType
 from typing import Any
 
 import numpy as np
 
+from ..preemption import SignalFlag
 from .transport import mpi
 
 logger = logging.getLogger("commpress")
@@ -61,23 +60,17 @@ class StopAgreement:
         self.comm = comm.Dup()
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
-        #: the first signal this rank received, or None (set by the handler, nothing else)
-        self.signalled: int | None = None
         #: the agreed stop step once known
         self.stop_step: int | None = None
         self._requested = False
         self._sends: list[tuple[Any, np.ndarray]] = []
-        self._previous: dict[int, Any] = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in signals:
-                self._previous[sig] = signal.signal(sig, self._on_signal)
-                signal.siginterrupt(sig, False)
-        else:
-            logger.info("commpress.ps: not in the main thread: SIGTERM is not turned into a clean stop")
+        self._flag = SignalFlag(
+            signals, off_main_thread="commpress.ps: not in the main thread: SIGTERM is not turned into a clean stop")
 
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        if self.signalled is None:
-            self.signalled = signum
+    @property
+    def signalled(self) -> int | None:
+        """The first signal this rank received, or None (set by the handler, nothing else)."""
+        return self._flag.signalled
 
     def _send(self, value: int, dest: int, tag: int) -> None:
         buf = np.array([value], dtype=np.int64)
@@ -120,9 +113,7 @@ class StopAgreement:
         and one that never joined a barrier would hang the others. The duplicate communicator is
         left to MPI's finalisation (one per run).
         """
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
-        self._previous.clear()
+        self._flag.restore()
         deadline = time.monotonic() + 1.0
         for req, _ in self._sends:  # one int64 each: sent eagerly; a peer that is gone must not block us
             while not req.Test() and time.monotonic() < deadline:
