@@ -67,7 +67,7 @@ START, END = "<!-- fsdp-lm:start -->", "<!-- fsdp-lm:end -->"
 def build_model(args: argparse.Namespace) -> nn.Module:
     from commpress.demo.workloads import ByteLM
 
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     return ByteLM(dim=args.dim, layers=args.layers, context=args.context, heads=args.heads, ffn=args.ffn)
 
 
@@ -91,10 +91,19 @@ def shard_model(model: nn.Module, mp: str | None) -> None:
 
 
 def fsdp_wire(model: nn.Module, world: int, ag_bytes: int, rs_bytes: int) -> tuple[float, float]:
-    """Per rank and step: what FSDP's ring all-gathers (forward + backward) and reduce-scatter send."""
-    padded = sum(-(-p.shape[0] // world) * world * (p.numel() // max(p.shape[0], 1)) for p in model.parameters())
+    """Per rank and step: what FSDP's ring all-gathers (forward + backward) and reduce-scatter send.
+
+    Each block is gathered twice (forward, backward); the root's own parameters once: FSDP does
+    not reshard the root after forward, so its backward needs no all-gather.
+    """
+    def padded(params: Any) -> int:
+        return sum(-(-p.shape[0] // world) * world * (p.numel() // max(p.shape[0], 1)) for p in params)
+
+    in_blocks = {id(p) for p in model.blocks.parameters()}  # type: ignore[union-attr]
+    blocks = padded(p for p in model.parameters() if id(p) in in_blocks)
+    root = padded(p for p in model.parameters() if id(p) not in in_blocks)
     frac = (world - 1) / world
-    return 2 * frac * padded * ag_bytes, frac * padded * rs_bytes
+    return frac * (2 * blocks + root) * ag_bytes, frac * (blocks + root) * rs_bytes
 
 
 def tensor_bytes(tensors: Any) -> int:
@@ -174,7 +183,7 @@ def run_method(method: str, args: argparse.Namespace, text: Any, heldout: tuple[
             tx0, w0 = tx_bytes(), wire()
             eval_ag = eval_rs = 0.0
         t0 = time.perf_counter()
-        loss = lm_loss(model, *text.batch(step, rank, args.batch))
+        loss = lm_loss(model, *text.batch(step, rank, args.batch, seed=args.seed))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -365,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", default=";".join(DEFAULT_METHODS))
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--points", type=int, default=10, help="held-out evaluations per run")
+    ap.add_argument("--seed", type=int, default=0, help="model initialisation and batch order (0: the tables' runs)")
     ap.add_argument("--optim", choices=("adamw", "sgd"), default="adamw")
     ap.add_argument("--lr", type=float)
     ap.add_argument("--dim", type=int, default=160)
@@ -393,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     rest = ["--world", str(args.world), "--methods", args.methods, "--steps", str(args.steps), "--points",
             str(args.points), "--optim", args.optim, "--lr", str(args.lr), "--dim", str(args.dim), "--layers",
             str(args.layers), "--heads", str(args.heads), "--ffn", str(args.ffn), "--context", str(args.context), "--batch",
-            str(args.batch), "--heldout", str(args.heldout), *(["--progress"] if args.progress else [])]
+            str(args.batch), "--heldout", str(args.heldout), "--seed", str(args.seed), *(["--progress"] if args.progress else [])]
     return driver(args, rest)
 
 
