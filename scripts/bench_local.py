@@ -86,6 +86,9 @@ LM_METHODS: list[tuple[str, str, dict[str, Any]]] = [
     ("DiLoCo H=64, qsgd 4-bit outer", "diloco", {"sync_every": 64}),
     ("DiLoCo H=128, qsgd 4-bit outer", "diloco", {"sync_every": 128}),
     ("DiLoCo H=32, qsgd 2-bit outer", "diloco", {"sync_every": 32, "bits": 2}),
+    ("DiLoCo H=64, qsgd 2-bit outer", "diloco", {"sync_every": 64, "bits": 2}),
+    ("DiLoCo H=96, qsgd 4-bit outer", "diloco", {"sync_every": 96}),
+    ("DiLoCo H=128, qsgd 8-bit outer", "diloco", {"sync_every": 128, "bits": 8}),
     ("DiLoCo H=32, top-k 2% outer (EF)", "diloco", {"sync_every": 32, "codec": "topk", "ratio": 0.02}),
     ("DiLoCo H=64, dense outer", "diloco", {"sync_every": 64, "codec": "none"}),
     ("LocalSGD H=16", "localsgd", {"sync_every": 16}),
@@ -210,7 +213,8 @@ def select(args: argparse.Namespace) -> list[tuple[str, str, dict[str, Any]]]:
     else:
         pool = {label: (label, kind, opts) for label, kind, opts in [*METHODS, *LM_METHODS]}
         exact = [o for o in args.only if o in pool]  # a whole label selects that row alone
-        methods = [m for m in pool.values() if m[0] in exact or any(o in m[0] for o in args.only if o not in exact)]
+        parts = [o for o in args.only if o not in exact and o != "-"]  # "-" selects none (it is in most labels)
+        methods = [m for m in pool.values() if m[0] in exact or any(o in m[0] for o in parts)]
     if args.fragments or args.overlap:  # the row of --fragments / --overlap runs whatever --only says
         methods.append((f"streaming DiLoCo, fragments {args.fragments or 1}, overlap {args.overlap}, alpha {args.merge_alpha}",
                         "diloco", {"fragments": args.fragments or 1, "overlap": args.overlap, "merge_alpha": args.merge_alpha}))
