@@ -17,18 +17,23 @@ STEPS = 32
 
 def test_lm_rows_bytes_and_defaults(tmp_path: Path) -> None:
     """A tiny byte LM, 2 ranks, AdamW: DDP's bytes are params x 4 x steps; the defaults row is
-    ``DiLoCo(model, opt)`` (the library's H, not ``--sync-every``); whole labels select one row each."""
+    ``DiLoCo(model, opt)`` (the library's H, not ``--sync-every``); whole labels select one row each;
+    ``--add`` rows take their keywords."""
     out = tmp_path / "lm.json"
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_local.py"), "--workload", "lm", "--steps", str(STEPS),
            "--dim", "32", "--layers", "1", "--ffn", "64", "--context", "16", "--batch", "4", "--heldout", "8",
            "--sync-every", "4",  # must not reach the defaults row
-           "--only", "DDP all-reduce every step", DEFAULTS, "DiLoCo H=32, top-k 2% outer (EF)", "--json", str(out)]
+           "--only", "-", "DDP all-reduce every step", DEFAULTS, "DiLoCo H=32, top-k 2% outer (EF)",
+           "--add", "sync_every=8,bits=8", "--json", str(out)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     data = json.loads(out.read_text())
     rows = {r["label"]: r for r in data["results"]}
-    assert list(rows) == ["DDP all-reduce every step", DEFAULTS, "DiLoCo H=32, top-k 2% outer (EF)"]
-    ddp, default, topk = rows.values()
+    # "-" matches no row (most labels hold a hyphen); a whole label does not pick the rows it is part of
+    assert list(rows) == ["DDP all-reduce every step", DEFAULTS, "DiLoCo H=32, top-k 2% outer (EF)",
+                          "DiLoCo sync_every=8,bits=8"]
+    ddp, default, topk, added = rows.values()
+    assert added["sync_every"] == 8 and added["syncs"] == STEPS // 8
     assert "AdamW(lr=0.001)" in data["header"] and f"{STEPS} steps" in data["header"]
     assert ddp["bytes"] == ddp["params"] * 4 * STEPS
     assert default["sync_every"] == DEFAULT_SYNC_EVERY and default["syncs"] == STEPS // DEFAULT_SYNC_EVERY
