@@ -92,6 +92,9 @@ LM_METHODS: list[tuple[str, str, dict[str, Any]]] = [
     ("DiLoCo H=32, top-k 2% outer (EF)", "diloco", {"sync_every": 32, "codec": "topk", "ratio": 0.02}),
     ("DiLoCo H=64, dense outer", "diloco", {"sync_every": 64, "codec": "none"}),
     ("LocalSGD H=16", "localsgd", {"sync_every": 16}),
+    # the candidate the LM table found (docs/local.md): 4-bit outer at H=96, outer SGD lr 1 without momentum
+    ("DiLoCo H=96, qsgd 4-bit outer, outer lr 1 m 0", "diloco",
+     {"sync_every": 96, "outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False}),
     # the paper's outer optimizer at the large H (the library's outer default is lr 0.5, momentum 0.8)
     ("DiLoCo H=64, qsgd 4-bit outer, paper's lr 0.7 m 0.9", "diloco",
      {"sync_every": 64, "outer_lr": 0.7, "outer_momentum": 0.9}),
