@@ -290,7 +290,7 @@ def main() -> None:
                         "momentum 0.9 on digits, AdamW on the LM")
     parser.add_argument("--lr", type=float, help="default: 0.1 (digits SGD), 0.05 (LM SGD), 1e-3 (AdamW)")
     parser.add_argument("--world", type=int, default=2, help="gloo ranks on loopback")
-    parser.add_argument("--steps", type=int, help="inner steps per method (default: 640 digits, 512 LM: a multiple of every LM row's H, so no run ends between syncs)")
+    parser.add_argument("--steps", type=int, help="inner steps per method (default: 640 digits, 384 LM: a multiple of every LM row's H, 96 and 128 included, so no LM run ends between syncs)")
     parser.add_argument("--sync-every", type=int, default=16, help="H of the rows that name none (the digits rows)")
     parser.add_argument("--only", nargs="*", default=[], help="run only methods whose label is or contains one of these "
                         "(either workload's rows; --only - with --fragments/--overlap/--add: those rows alone)")
@@ -312,7 +312,7 @@ def main() -> None:
     args = parser.parse_args()
     args.optim = args.optim or ("adamw" if args.workload == "lm" else "sgd")
     args.lr = args.lr if args.lr is not None else 1e-3 if args.optim == "adamw" else 0.05 if args.workload == "lm" else 0.1
-    args.steps = args.steps or (512 if args.workload == "lm" else 640)
+    args.steps = args.steps or (384 if args.workload == "lm" else 640)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
