@@ -99,9 +99,9 @@ def fsdp_wire(model: nn.Module, world: int, ag_bytes: int, rs_bytes: int) -> tup
     def padded(params: Any) -> int:
         return sum(-(-p.shape[0] // world) * world * (p.numel() // max(p.shape[0], 1)) for p in params)
 
-    in_blocks = {id(p) for p in model.blocks.parameters()}  # type: ignore[union-attr]
-    blocks = padded(p for p in model.parameters() if id(p) in in_blocks)
-    root = padded(p for p in model.parameters() if id(p) not in in_blocks)
+    in_blocks = list(model.blocks.parameters())  # type: ignore[union-attr]
+    blocks = padded(in_blocks)
+    root = padded(p for p in model.parameters() if all(p is not q for q in in_blocks))
     frac = (world - 1) / world
     return frac * (2 * blocks + root) * ag_bytes, frac * (blocks + root) * rs_bytes
 

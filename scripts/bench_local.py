@@ -321,12 +321,12 @@ def main() -> None:
         mp.spawn(_entry, args=(args.world, port, args, out), nprocs=args.world)
         with open(out) as f:
             results = json.load(f)
-    print(header(args, int(results[0]["params"]) if results else 0))
+    head = header(args, int(results[0]["params"]) if results else 0)  # the LM's reads the whole text: once
+    print(head)
     print("\n".join(table(results, args)))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"header": header(args, int(results[0]["params"]) if results else 0), "argv": sys.argv[1:],
-                       "results": results}, f, indent=1)
+            json.dump({"header": head, "argv": sys.argv[1:], "results": results}, f, indent=1)
     sys.stdout.flush()
 
 
