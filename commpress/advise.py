@@ -7,7 +7,7 @@ predicted step time and where that time goes, and it saves a plot of the predict
 dense against link bandwidth. The prediction is the calibrated cost model of
 :mod:`commpress.comm.costmodel` applied to the buckets DDP would build, plus the compute time:
 
-``step = compute + sum over buckets of predict(bucket)[option]``
+``step = compute + sum over buckets of predict(bucket)[option] + DDP's bucket copies``
 
 - **Buckets**: the model's parameters in the order their gradients become ready (timed on one
   step for a built-in workload; else reverse registration order), grouped as DDP groups them
@@ -16,7 +16,10 @@ dense against link bandwidth. The prediction is the calibrated cost model of
   least ``min_numel`` elements), as :func:`commpress.ddp.register` decides.
 - **Device costs**: each codec's encode (through error feedback where it keeps residuals),
   decode, the fp16 cast, timed on this machine (:func:`~commpress.comm.costmodel.calibrate_device`,
-  one thread, as one rank of the measured runs uses).
+  one thread, as one rank of the measured runs uses), on a buffer the size of the model's typical
+  bucket (:func:`calibration_numel`: per-element costs grow once a buffer leaves the caches).
+- **DDP's bucket copies**: two passes over the gradient (into the bucket, and back into the
+  gradients), paid by every option; the "codec work" column includes them.
 - **Link**: ``--link 1gbit`` (``alpha`` 50 us per message, ``beta`` from the bandwidth) or, under
   ``torchrun`` across the real machines, ``--calibrate`` (all-reduces timed on the group).
 - **Compute**: forward, backward and the optimizer step timed here for a built-in workload
@@ -238,6 +241,26 @@ def count_shape(count: str, optimizer: str, bucket_cap_mb: float) -> ModelShape:
     return ModelShape(f"{n / 1e6:.2f}M parameters", ddp_buckets(named, bucket_cap_mb), None, optimizer)
 
 
+def calibration_numel(shape: ModelShape) -> int:
+    """Elements to calibrate the device costs at: the bucket size a typical gradient element is in.
+
+    Per-element costs grow with the buffer once it leaves the caches: measured on this project's
+    CI machine (one thread), top-k's encode through error feedback took 1.10 ns per element at
+    4M elements and 1.71 at 16.8M, sign's 0.61 and 0.98, a copy 0.29 and 0.52; calibrated at a
+    fixed 4M, advise predicted the 17M MLP's compressed steps (one 16.8M-element bucket) 18-29%
+    short. So: the element-weighted median of the buckets' sizes, within [2^20, 2^25].
+    """
+    sizes = sorted(sum(e.numel for e in b) for b in shape.buckets)
+    if not sizes:
+        return CALIBRATION_NUMEL
+    half, seen = sum(sizes) / 2, 0
+    for size in sizes:
+        seen += size
+        if seen >= half:
+            break
+    return min(max(size, 1 << 20), 1 << 25)
+
+
 def device_costs(world: int, optimizer: str, numel: int | None = None,
                  group: Any = None) -> dict[str, DeviceCost]:
     """Calibrated per-element costs of each advised codec on this machine (one thread).
@@ -297,8 +320,14 @@ def advise(shape: ModelShape, world: int, link: Link, costs: dict[str, DeviceCos
         plan = compressed_plan(entries, codec, alg, world)
         return wire_time(Link(0.0, 1.0), plan, world), wire_time(link, plan, world)
 
+    # DDP copies every gradient into its bucket and the reduced bucket back (gradient_as_bucket_view
+    # is off by default), whatever the hook: two passes over the gradient that the compute timing
+    # (no DDP) does not see; left out, every option of the 17M MLP was predicted ~17 ms short
+    bucket_copies = 2 * next(iter(costs.values())).pass_s * shape.numel
+
     def option(name: str, parts: list[tuple[float, float, float]], choices: dict[str, int] | None = None) -> Option:
         sent, wire, total = (sum(p[i] for p in parts) for i in range(3))  # per bucket: bytes, wire s, predicted s
+        total += bucket_copies
         step = None if shape.compute_s is None else shape.compute_s + total
         return Option(name, sent, wire, max(total - wire, 0.0), step, choices or {})
 
@@ -477,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
         link, how = calibrate_link(group), "link calibrated on the process group"
     else:
         link, how = Link.from_gbit(gbit, args.latency_us * 1e-6), f"--link {args.link}"
-    costs = device_costs(world, shape.optimizer, args.calibration_numel, group)
+    costs = device_costs(world, shape.optimizer, args.calibration_numel or calibration_numel(shape), group)
     options = advise(shape, world, link, costs)
     if rank == 0:
         print(format_table(shape, world, link, options, how))

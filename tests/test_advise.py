@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from advise_workers import worker_buckets_and_bytes
 
-from commpress.advise import CODECS, ModelShape, advise, count_shape, ddp_buckets
+from commpress.advise import CODECS, ModelShape, advise, calibration_numel, count_shape, ddp_buckets
 from commpress.advise import main as advise_main
 from commpress.comm.costmodel import DeviceCost, Entry, Link
 
@@ -37,6 +37,29 @@ def test_buckets_and_bytes_are_ddps_and_the_hooks(tmp_path):
     for name, measured in got["bytes"].items():
         # within 0.1%: the hook's count is 8 bytes per step below the frames' plan (29560 vs 29568)
         assert options[name].bytes_sent == pytest.approx(measured, rel=1e-3), name
+
+
+def test_every_option_pays_ddps_two_bucket_copies():
+    """DDP copies the gradient into its bucket and back whatever the hook: 2 passes in every option."""
+    shape = count_shape("10.8M", "sgd", 25.0)
+    link = Link.from_gbit(1.0, 0.0)
+    free = {o.name: o for o in advise(shape, 2, link, {name: FREE for name in CODECS})}
+    copying = DeviceCost(0.0, 0.0, 1e-9, 0.0)  # 1 ns per element and pass, nothing else
+    paid = {o.name: o for o in advise(shape, 2, link, {name: copying for name in CODECS})}
+    for name, o in paid.items():
+        # dense pays one more pass (its division), the compressed paths their own passes: at least the copies
+        assert o.work_s - free[name].work_s >= 2 * 1e-9 * shape.numel * (1 - 1e-9), name
+    assert paid["topk"].work_s - free["topk"].work_s == pytest.approx((2 + 2) * 1e-9 * shape.numel, rel=1e-3)
+
+
+def test_calibration_size_is_the_bucket_a_typical_element_is_in():
+    def shape(*sizes: int) -> ModelShape:
+        return ModelShape("t", tuple((Entry(n, True),) for n in sizes), None, "sgd")
+
+    assert calibration_numel(shape(1 << 20, 16_777_216, 1 << 20)) == 16_777_216  # the 17M MLP's big bucket
+    assert calibration_numel(shape(*[6_553_600] * 4, 300_000)) == 6_553_600  # 25 MB buckets
+    assert calibration_numel(shape(1000, 2000)) == 1 << 20  # tiny models: not below 1M (timer resolution)
+    assert calibration_numel(shape(1 << 27)) == 1 << 25  # bounded: 128 MB per buffer at most
 
 
 def test_registration_order_is_reversed():
