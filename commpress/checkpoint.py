@@ -27,6 +27,10 @@ there rather than following it), then the directory is fsynced. A failure (a ful
 size limit) raises :class:`SaveError` naming the path, the cause and the stage, with the old file
 in place; a kill leaves the old file or the new one, and the next save removes the temporary
 file a killed one left (``tests/test_save_pressure.py``).
+
+**Another world size** (:func:`resized`, :func:`resize_warning`): the rule the DDP and FSDP
+states share when a process group of another size loads a state (a resize, not a mix-up),
+and the one warning naming what it dropped.
 """
 
 from __future__ import annotations
@@ -310,6 +314,60 @@ def load_state(path: str, what: str = "commpress state") -> dict[str, Any]:
     return state
 
 
+# ----- a load at another world size (DDP and FSDP states) -------------------------------------------
+def resized(saved: Mapping[str, Any], world_size: int, rank: int, hint: str) -> bool:
+    """True when ``saved`` (a state's ``state_dict()``) was written at another world size: a resize.
+
+    A resize loads what is the same on every rank and drops the per-rank state with one warning
+    (:func:`resize_warning`). The same world size with another rank's state is a mix-up, not a
+    resize: ValueError (``rank mismatch``, followed by ``hint`` in parentheses).
+    """
+    saved_world, saved_rank = saved["world_size"], saved["rank"]
+    if not isinstance(saved_world, int) or isinstance(saved_world, bool) or not 1 <= saved_world < 1 << 31:
+        raise ValueError(f"world_size must be a positive int, got {saved_world!r}")
+    if not isinstance(saved_rank, int) or isinstance(saved_rank, bool) or not 0 <= saved_rank < saved_world:
+        raise ValueError(f"rank must be an int in [0, world_size={saved_world}), got {saved_rank!r}")
+    if saved_world == world_size and saved_rank != rank:
+        raise ValueError(f"rank mismatch: checkpoint has {saved_rank}, this state {rank} ({hint})")
+    return saved_world != world_size
+
+
+def _count_and_norm(tensors: Any) -> tuple[int, float]:
+    """How many tensors a (nested) mapping holds, and the 2-norm of all of them as one vector."""
+    count, total = 0, 0.0
+    for v in (tensors or {}).values():
+        if isinstance(v, torch.Tensor):
+            count, total = count + 1, total + float(v.double().square().sum())
+        elif isinstance(v, Mapping):
+            n, norm = _count_and_norm(v)
+            count, total = count + n, total + norm**2
+    return count, total**0.5
+
+
+def resize_warning(what: str, saved: Mapping[str, Any], world_size: int, rank: int, *, kept: str,
+                   dropped: Mapping[str, Any], source: str = "file") -> str:
+    """The one warning of a load at another world size: what was kept, and each per-rank part dropped.
+
+    ``dropped``: label (``"error-feedback residual(s)"``) -> the (nested) mapping of tensors that
+    start empty, named with their count and norm. Why drop rather than redistribute: the update is
+    the mean over ranks of the compressed ``g + e``, so what error feedback owes is
+    ``sum(e) / W``; keeping it at ``W'`` ranks needs every old rank's residuals on the new ranks,
+    and one state per rank (written on nodes that may no longer exist) does not give that. What
+    is lost is bounded: a residual is what compression has not sent yet, a few steps' worth of
+    gradient (the divergence guard's ratio measures it), and a velocity is momentum that rebuilds
+    in ``~1/(1-momentum)`` steps (as ``torch.optim.SGD`` starts one from the next gradient).
+    """
+    parts = []
+    for label, tensors in dropped.items():
+        count, norm = _count_and_norm(tensors)
+        parts.append(f"{count} {label} (norm {norm:.4g})")
+    return (
+        f"{what}: checkpoint written by {saved['world_size']} ranks ({source} of rank {saved['rank']}) "
+        f"loaded at {world_size} ranks (rank {rank}): loaded {kept}; dropped this rank's per-rank state: "
+        f"{' and '.join(parts)}, which start empty"
+    )
+
+
 class StateFile:
     """``save(path)`` / ``load(path)`` for a state with ``state_dict`` / ``load_state_dict`` (DDP, FSDP)."""
 
@@ -347,6 +405,6 @@ class StateFile:
 
 __all__ = [
     "HEADER_NBYTES", "MAX_ABS", "PS_MAGIC", "STATE_FILE_FORMAT", "STATE_MAGIC", "CheckpointError", "SaveError", "StateFile",
-    "decode",
+    "decode", "resize_warning", "resized",
     "encode", "frame", "load_state", "read_file", "read_regular", "save_state", "validate", "write_file", "write_private",
 ]

@@ -2,16 +2,24 @@
 
 ``worker_save`` trains, saves model + optimizer + commpress with ``dcp.save`` and keeps going;
 ``worker_resume`` (fresh processes) loads it and must end on the same parameters bit for bit;
-``worker_other_world`` loads it at another world size. Each worker asserts on all-gathered
-values (``assert_all_ranks``), so a failure fails every rank.
+``worker_other_world`` loads it at another world size. ``worker_resize_save`` /
+``worker_resize_load`` save a state at one world size (a file per rank and DCP) and load it at
+another. Each worker asserts on all-gathered values (``assert_all_ranks``), so a failure fails
+every rank.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
@@ -55,12 +63,14 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, rank: int, step: int) ->
     opt.step()
 
 
-def _checkpoint(model: nn.Module, opt: torch.optim.Optimizer, state: Any, api: str) -> dict[str, Any]:
-    """What the user hands to ``dcp.save`` / ``dcp.load``."""
+def _checkpoint(model: nn.Module, opt: torch.optim.Optimizer, state: Any, api: str,
+                checkpoint_id: str | None = None) -> dict[str, Any]:
+    """What the user hands to ``dcp.save`` / ``dcp.load`` (``checkpoint_id``: the load names its checkpoint)."""
+    stateful = state.dcp() if checkpoint_id is None else state.dcp(checkpoint_id=checkpoint_id)
     if api == "torch":
         model_sd, optim_sd = get_state_dict(model, opt)
-        return {"model": model_sd, "optim": optim_sd, "commpress": state.dcp()}
-    return {"model": model.state_dict(), "optim": opt.state_dict(), "commpress": state.dcp()}
+        return {"model": model_sd, "optim": optim_sd, "commpress": stateful}
+    return {"model": model.state_dict(), "optim": opt.state_dict(), "commpress": stateful}
 
 
 def _residual_norms(state: commpress.fsdp.FSDPCompressionState) -> dict[str, float]:
@@ -122,7 +132,7 @@ def _resume_case(rank: int, world: int, ckpt: str, out: str, codec: dict[str, An
                      f"commpress entries not namespaced per rank: {sorted(k for k in keys if 'commpress' in k)}")
     model, opt, state = _setup(seed=1, codec=codec)  # other initial parameters: the load must bring them
     assert_all_ranks(not state.residuals(), "a fresh state already holds residuals")
-    sd = _checkpoint(model, opt, state, api)
+    sd = _checkpoint(model, opt, state, api, ckpt if tag == "adamw" else None)  # named or not: the same world size
     dcp.load(sd, checkpoint_id=ckpt)
     if api == "torch":
         set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
@@ -148,12 +158,133 @@ def _resume_case(rank: int, world: int, ckpt: str, out: str, codec: dict[str, An
 
 
 def worker_other_world(rank: int, world: int, ckpt: str) -> None:
-    """A checkpoint from another world size: DCP's planner names the missing ``rank{r}_of_{n}`` entry, every rank."""
+    """A checkpoint from another world size: a bare ``state.dcp()`` gets DCP's planner error naming the missing
+    ``rank{r}_of_{n}`` entry on every rank; ``state.dcp(checkpoint_id=...)`` loads what is global, with one warning."""
     model, opt, state = _setup()
+    ckpt = str(Path(ckpt, "float32"))
     try:
-        dcp.load({"commpress": state.dcp()}, checkpoint_id=str(Path(ckpt, "float32")))
+        dcp.load({"commpress": state.dcp()}, checkpoint_id=ckpt)
     except CheckpointException as exc:
         assert_all_ranks(f"Missing key in checkpoint state_dict: commpress.rank{rank}_of_{world}." in str(exc),
                          f"unclear error: {exc}")
     else:
         assert_all_ranks(False, f"a checkpoint of another world size loaded at {world} ranks")
+    with _warnings() as said:
+        sd = _checkpoint(model, opt, state, "plain", ckpt)
+        dcp.load(sd, checkpoint_id=ckpt)
+    model.load_state_dict(sd["model"])
+    opt.load_state_dict(sd["optim"])
+    assert_all_ranks(len(said) == 1 and f"written by 2 ranks (DCP entry of rank {rank}) loaded at {world} ranks" in said[0],
+                     f"warnings: {said}")
+    assert_all_ranks(state.step == SAVED_STEPS and not state.residuals() and not state.velocities(), repr(state))
+    _step(model, opt, rank, SAVED_STEPS)  # FSDP skips its reduce-scatter on 1 rank: commpress's step stays
+    assert_all_ranks(bool(torch.isfinite(full_params(model)).all()), "no step after it")
+
+
+# ----- another world size: a file per rank and DCP ----------------------------------------------------
+RESIZE_CODEC: dict[str, Any] = {**CODEC, "residual_dtype": "auto"}  # int8 / int8 at 2 ranks, int8 / int4 at 3
+RESIZE_STEPS = 3
+
+
+def _norm(tensors: dict[str, torch.Tensor]) -> float:
+    return sum(float(v.double().square().sum()) for v in tensors.values()) ** 0.5
+
+
+@contextmanager
+def _warnings() -> Iterator[list[str]]:
+    """The warnings logged on the ``commpress`` logger inside the block."""
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                said.append(record.getMessage())
+
+    handler = Keep()
+    logging.getLogger("commpress").addHandler(handler)
+    try:
+        yield said
+    finally:
+        logging.getLogger("commpress").removeHandler(handler)
+
+
+def _global(state: commpress.fsdp.FSDPCompressionState) -> dict[str, Any]:
+    """What a resize keeps (the same on every rank)."""
+    return {"step": state.step, "seed": state.seed, "guard": state.guard.state(), "calls": [m.calls for m in state.modules],
+            "codec": state.codec.config()}
+
+
+def worker_resize_save(rank: int, world: int, out: str) -> None:
+    """Train, then save a file per rank and a DCP checkpoint; another rank's state at this world size is refused."""
+    model, opt, state = _setup(codec=RESIZE_CODEC)
+    for step in range(RESIZE_STEPS):
+        _step(model, opt, rank, step)
+    assert_all_ranks(state.residual_kind == "int8" and state.velocity_kind == "int8", f"{state.residual_dtype}")
+    assert_all_ranks(bool(state.residuals()) and bool(state.velocities()) and state.guard.ratio > 0, "nothing per rank")
+    per_rank = {"residuals": state.residuals(), "velocities": state.velocities()}
+    Path(out, f"per-rank{rank}.json").write_text(json.dumps({k: [len(v), _norm(v)] for k, v in per_rank.items()}))
+    state.save(str(Path(out, f"commpress-rank{rank}.cpst")))
+    dcp.save(_checkpoint(model, opt, state, "plain"), checkpoint_id=str(Path(out, "dcp")))
+    full = full_params(model)
+    if rank == 0:
+        Path(out, "saved.json").write_text(json.dumps({**_global(state), "residual_dtype": str(state.residual_dtype)}))
+        torch.save(full, Path(out, "full.pt"))
+    dist.barrier()
+    for bad in (Path(out, f"commpress-rank{1 - rank}.cpst"), None):  # the same world size: a mix-up, not a resize
+        try:
+            if bad is None:
+                state.load_state_dict({**state.state_dict(), "rank": 1 - rank})
+            else:
+                state.load(str(bad))
+        except ValueError as exc:
+            assert_all_ranks(f"rank mismatch: checkpoint has {1 - rank}, this state {rank}" in str(exc), str(exc))
+        else:
+            assert_all_ranks(False, "another rank's state loaded at the same world size")
+
+
+def worker_resize_load(rank: int, world: int, out: str) -> None:
+    """Load at another world size, from the files and from DCP: what is global kept, per-rank state dropped with one
+    warning, kinds recomputed for this world size, then training goes on with every rank's state alike."""
+    saved = json.loads(Path(out, "saved.json").read_text())
+    source = rank if rank < 2 else 0  # a rank the old run did not have reads rank 0's
+    for how in ("file", "dcp"):
+        model, opt, state = _setup(seed=1, codec=RESIZE_CODEC)
+        with _warnings() as said:
+            if how == "file":
+                state.load(str(Path(out, f"commpress-rank{source}.cpst")))
+            else:
+                ckpt = str(Path(out, "dcp"))
+                sd = _checkpoint(model, opt, state, "plain", ckpt)
+                dcp.load(sd, checkpoint_id=ckpt)
+                model.load_state_dict(sd["model"])
+                opt.load_state_dict(sd["optim"])
+                assert_all_ranks(torch.equal(full_params(model), torch.load(Path(out, "full.pt"), weights_only=True)),
+                                 "DCP did not reshard the model")
+        label = "file" if how == "file" else "DCP entry"
+        assert_all_ranks(len(said) == 1, f"{how}: {len(said)} warnings: {said}")
+        warning = said[0]
+        assert_all_ranks(f"written by 2 ranks ({label} of rank {source}) loaded at {world} ranks (rank {rank})" in warning,
+                         f"{how}: {warning}")
+        # the counts and norms of what was dropped: the saved rank's residuals and velocities
+        found = re.search(r"state: (\d+) error-feedback residual\(s\) \(norm (\S+)\) and (\d+) velocity\(ies\) "
+                          r"\(norm (\S+)\), which start empty", warning)
+        dropped = json.loads(Path(out, f"per-rank{source}.json").read_text())
+        ok = found is not None and all(
+            int(found[i]) == dropped[k][0] and abs(float(found[i + 1]) - dropped[k][1]) <= 1e-3 * dropped[k][1]
+            for i, k in ((1, "residuals"), (3, "velocities")))
+        assert_all_ranks(ok, f"{how}: {warning} does not name {dropped}")
+        assert_all_ranks(_global(state) == {k: saved[k] for k in _global(state)},
+                         f"{how}: global state {_global(state)} != saved {saved}")
+        assert_all_ranks(not state.residuals() and not state.velocities(), f"{how}: per-rank state kept")
+        # residual_dtype="auto" sized for this world size, not the file's
+        kinds = {1: ("float32", "float32"), 3: ("int8", "int4")}[world]
+        assert_all_ranks((state.residual_kind, state.velocity_kind) == kinds, f"{how}: kinds {state.residual_kind}, "
+                         f"{state.velocity_kind}; saved {saved['residual_dtype']}")
+        for step in range(RESIZE_STEPS, RESIZE_STEPS + 2):
+            _step(model, opt, rank, step)
+        states: list[Any] = [None] * world
+        dist.all_gather_object(states, _global(state))
+        assert_all_ranks(all(s == states[0] for s in states) and states[0]["step"] == RESIZE_STEPS + 2,
+                         f"{how}: ranks differ after training on: {states}")
+        assert_all_ranks(bool(torch.isfinite(full_params(model)).all()), f"{how}: non-finite parameters")
+        assert_all_ranks(world == 1 or bool(state.residuals()), f"{how}: no residuals after compressed steps")

@@ -35,38 +35,19 @@ STATE_FORMAT = 1
 logger = logging.getLogger("commpress")
 
 
-def _norm(tensors: Any) -> float:
-    """The 2-norm of every tensor in a (nested) mapping of tensors, as one vector."""
-    total = 0.0
-    for v in (tensors or {}).values():
-        if isinstance(v, torch.Tensor):
-            total += float(v.double().square().sum())
-        elif isinstance(v, Mapping):
-            total += _norm(v) ** 2
-    return total ** 0.5
-
-
 def resized_load(saved: Mapping[str, Any], velocity: Mapping[str, torch.Tensor], world_size: int, rank: int) -> str:
     """What a load at another world size drops, as the one warning it logs.
 
     A checkpoint written at ``W`` ranks loaded at ``W' != W``: the configuration, step, seed,
     counters, guard state, momentum rules and optimizer modes are loaded; this rank's
     error-feedback residuals and velocities start empty (a velocity starts from the next
-    gradient, as in ``torch.optim.SGD``). Why not redistribute: the update is the mean over
-    ranks of the compressed ``g + e``, so what matters is ``sum(e) / W``; keeping it at ``W'``
-    ranks needs every old rank's residuals on the new ranks, and one file per rank (on nodes
-    that may no longer exist) does not give that. What is lost is bounded: the residual is
-    what compression has not yet sent, a few steps' worth of gradient (the divergence guard's
-    ratio measures it), and the velocity is momentum that rebuilds in ``~1/(1-momentum)`` steps.
+    gradient, as in ``torch.optim.SGD``). :func:`commpress.checkpoint.resize_warning` says why
+    they are dropped rather than redistributed.
     """
-    residuals = _residuals(saved)
-    count = sum(len(r) for r in residuals.values())
-    return (
-        f"commpress DDP state: checkpoint written by {saved['world_size']} ranks (file of rank {saved['rank']}) "
-        f"loaded at {world_size} ranks (rank {rank}): loaded the configuration, step {saved['step']}, seed, "
-        f"counters, guard state and momentum rules; dropped this rank's per-rank state: {count} "
-        f"error-feedback residual(s) (norm {_norm(residuals):.4g}) and {len(velocity)} velocity(ies) "
-        f"(norm {_norm(velocity):.4g}), which start empty"
+    return checkpoint.resize_warning(
+        "commpress DDP state", saved, world_size, rank,
+        kept=f"the configuration, step {saved['step']}, seed, counters, guard state and momentum rules",
+        dropped={"error-feedback residual(s)": _residuals(saved), "velocity(ies)": velocity},
     )
 
 
@@ -167,15 +148,9 @@ class DDPCheckpoint(checkpoint.StateFile):
         check_state_header(saved, required=required, fmt=STATE_FORMAT, codec=self.codec, what="commpress DDP state")
         if saved["algorithm"] != self.algorithm:
             raise ValueError(f"algorithm mismatch: checkpoint has {saved['algorithm']!r}, this state {self.algorithm!r}")
-        saved_world = saved["world_size"]
-        if not isinstance(saved_world, int) or isinstance(saved_world, bool) or not 1 <= saved_world < 1 << 31:
-            raise ValueError(f"world_size must be a positive int, got {saved_world!r}")
-        resized = saved_world != self.world_size  # residuals and velocities are dropped (see resized_load)
-        if not resized and saved["rank"] != self.rank:
-            raise ValueError(
-                f"rank mismatch: this is rank {self.rank}'s state slot but the checkpoint is rank "
-                f"{saved['rank']}'s; save and load one commpress state per rank"
-            )
+        # another world size: residuals and velocities are dropped (see resized_load)
+        resized = checkpoint.resized(saved, self.world_size, self.rank,
+                                     "residuals are per rank: save and load one commpress state per rank")
         if bool(saved["error_feedback"]) != self.error_feedback:
             raise ValueError(
                 f"error_feedback mismatch: checkpoint {saved['error_feedback']!r}, this state {self.error_feedback!r}"

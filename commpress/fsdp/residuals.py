@@ -165,6 +165,33 @@ def stored_shapes(kind: str, numel: int, block: int = BLOCK) -> dict[str, tuple[
     return {"codes": (numel,)}
 
 
+def decoded(kind: Any, codes: Mapping[str, Any], scales: Mapping[str, Any], block: int,
+            what: str = "residual") -> dict[str, torch.Tensor]:
+    """Stored entries of ``kind`` (:meth:`ResidualStore.state` output of any world size) as float32 tensors.
+
+    For what a load at another world size drops (its warning's norms): each entry's length is
+    read from its own codes, not from this rank's layout. ValueError for an entry that is not a
+    1-D tensor of the kind's dtype, or int8/int4 codes whose scales do not match them.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"{what}s are stored as {kind!r}, not one of {KINDS}")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8}[kind]
+    out = {}
+    for key, value in codes.items():
+        if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.dtype != dtype:
+            raise ValueError(f"{what} {key!r} must be a 1-D {dtype} tensor ({kind})")
+        if kind not in _BITS:
+            out[key] = value.float()
+            continue
+        numel = value.numel() * 8 // _BITS[kind]
+        s = scales.get(key)
+        if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or tuple(s.shape) != (-(-numel // block),) \
+                or numel % block:
+            raise ValueError(f"{what} {key!r}: scales must be a float32 tensor of one scale per {block} codes")
+        out[key] = dequantize(value, s, _BITS[kind], numel, block)
+    return out
+
+
 class ResidualStore:
     """Residuals or local velocities between steps in their stored kind (bfloat16, int8 or int4).
 
@@ -246,5 +273,5 @@ class ResidualStore:
         self.numels = {k: numels[k] for k in new_codes}
 
 
-__all__ = ["BLOCK", "KINDS", "PAIRS", "VELOCITY_BLOCK", "ResidualStore", "auto_kind", "auto_kinds", "bytes_per_element", "dequantize",
-           "quantize", "resolve_kind", "state_bytes", "stored_shapes"]
+__all__ = ["BLOCK", "KINDS", "PAIRS", "VELOCITY_BLOCK", "ResidualStore", "auto_kind", "auto_kinds", "bytes_per_element", "decoded",
+           "dequantize", "quantize", "resolve_kind", "state_bytes", "stored_shapes"]

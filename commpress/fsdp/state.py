@@ -57,12 +57,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import StorageReader
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -243,9 +245,14 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
     same-named entries: :mod:`commpress.fsdp.dcp`)::
 
         dcp.save({"model": model.state_dict(), "optim": opt.state_dict(), "commpress": state.dcp()}, checkpoint_id=d)
-        dcp.load({"model": model.state_dict(), "optim": opt.state_dict(), "commpress": state.dcp()}, checkpoint_id=d)
+        dcp.load({"model": model.state_dict(), "optim": opt.state_dict(), "commpress": state.dcp(checkpoint_id=d)},
+                 checkpoint_id=d)
 
-    A checkpoint resumes at the world size it was saved at (another one raises on every rank).
+    A checkpoint written at another world size loads what is the same on every rank (configuration,
+    step, seed, call counts, guard state, ``codec="auto"``'s choices) and drops this rank's
+    residuals and velocities with one warning (:meth:`load_state_dict`); through DCP that needs
+    the checkpoint named at load (``state.dcp(checkpoint_id=d)``; a bare ``state.dcp()`` reads only
+    an entry of this world size). The same world size with another rank's state is refused.
     """
 
     file_what = "commpress FSDP state"
@@ -921,14 +928,19 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
             **({} if self.auto is None else {"auto": self.auto.state([m.name for m in self.modules])}),
         }
 
-    def dcp(self) -> DCPState:
+    def dcp(self, checkpoint_id: str | os.PathLike[str] | None = None, *, storage_reader: StorageReader | None = None,
+            key: str | None = None) -> DCPState:
         """The state as a ``torch.distributed.checkpoint`` ``Stateful`` (:mod:`commpress.fsdp.dcp`).
 
         An adapter rather than the state itself, because :meth:`state_dict` keeps its per-rank
         file form (the same keys on every rank, which DCP would deduplicate); the adapter holds
         nothing, so ``state.dcp()`` can be written straight into the ``dcp.save`` / ``dcp.load`` dict.
+        For ``dcp.load``, ``state.dcp(checkpoint_id=d)`` (or ``storage_reader=``) also resumes a
+        checkpoint written at another world size: it reads the checkpoint's metadata to find the
+        saved entries (``key``: the entry's name in the dcp dict, needed only when it holds several
+        commpress states). Do not pass it to ``dcp.save``.
         """
-        return DCPState(self)
+        return DCPState(self, checkpoint_id, storage_reader=storage_reader, key=key)
 
     def _stored_residuals(self) -> dict[str, torch.Tensor]:
         if self.feedback is not None and self.residual_kind != "float32":
@@ -961,17 +973,31 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
         return out
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` output after validating all of it (all or nothing)."""
+        """Restore :meth:`state_dict` output after validating all of it (all or nothing).
+
+        Written at another world size (one rank's file, any rank's for a rank the old run did not
+        have), it loads what is the same on every rank: configuration, step, seed, call counts,
+        guard state and ``codec="auto"``'s choices; this rank's residuals and velocities (local
+        ones and those of the reduced shards, which move when the world size changes) start empty,
+        with one warning on the ``commpress`` logger naming what was dropped
+        (:func:`commpress.checkpoint.resize_warning`). Their storage kinds stay this state's own
+        (``residual_dtype="auto"`` resolved at this world size), whatever the checkpoint's were.
+        The same world size with another rank's state raises (a mix-up, not a resize).
+        """
+        self._load_state_dict(state, "file")
+
+    def _load_state_dict(self, state: Mapping[str, Any], source: str) -> None:
+        """:meth:`load_state_dict`; ``source`` names where ``state`` came from in the resize warning."""
         required = {"error_feedback", "residual_dtype", "world_size", "rank", "seed", "calls", "residuals"}
         check_state_header(state, required=required, fmt=STATE_FORMAT, codec=self.codec, what="commpress FSDP state")
-        for what, mine in (("world_size", self.world_size), ("rank", self.rank),
-                           ("error_feedback", self.error_feedback), ("residual_dtype", str(self.residual_dtype))):
+        hint = ("residuals are per rank: save and load one commpress state per rank; "
+                "in torch.distributed.checkpoint pass state.dcp(), not the state")
+        resized = checkpoint.resized(state, self.world_size, self.rank, hint)
+        # at another world size the storage kinds are this state's own: nothing stored in them is loaded
+        compared = (("error_feedback", self.error_feedback),) + (() if resized else (("residual_dtype", str(self.residual_dtype)),))
+        for what, mine in compared:
             if state[what] != mine:
-                raise ValueError(
-                    f"{what} mismatch: checkpoint has {state[what]!r}, this state {mine!r} "
-                    "(residuals are per rank: save and load one commpress state per rank; "
-                    "in torch.distributed.checkpoint pass state.dcp(), not the state)"
-                )
+                raise ValueError(f"{what} mismatch: checkpoint has {state[what]!r}, this state {mine!r} ({hint})")
         seed = opts.check_saved_seed(state)
         calls = dict(state["calls"])
         if sorted(calls) != sorted(m.name for m in self.modules) or not all(
@@ -979,7 +1005,7 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
         ):
             raise ValueError(f"calls {calls!r} do not match this model's FSDP modules {[m.name for m in self.modules]}")
         shapes = self.residual_shapes()
-        residuals = dict(state["residuals"])
+        residuals = {} if resized else dict(state["residuals"])
         low = rstore.ResidualStore(self.residual_kind)
         if self.residual_kind == "float32":
             for key, value in residuals.items():
@@ -988,7 +1014,7 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
                 if not isinstance(value, torch.Tensor) or tuple(value.shape) != shapes[key]:
                     raise ValueError(f"residual {key!r} must be a tensor of shape {shapes[key]}")
                 check_loaded_tensor(value, f"residual {key!r}", dtypes=(torch.float32,))
-        else:
+        elif not resized:
             low.load(residuals, dict(state.get("residual_scales") or {}), {k: v[0] for k, v in shapes.items()})
         step = state.get("step", min(calls.values(), default=0))
         if not isinstance(step, int) or not 0 <= step < 1 << 62:
@@ -1010,7 +1036,15 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
         elif "auto" in state:
             raise ValueError("codec mismatch: the checkpoint was written by codec='auto'; register with codec='auto' "
                              "to resume it")
-        velocity, vstore = self._load_velocities(state)
+        if resized:
+            dropped = checkpoint.resize_warning(
+                "commpress FSDP state", state, self.world_size, self.rank, source=source, dropped=_per_rank(state),
+                kept=f"the configuration, step {step}, seed, call counts"
+                     f"{', codec=auto choices' if chosen is not None else ''} and guard state")
+            velocity: dict[str, torch.Tensor] = {}
+            vstore = rstore.ResidualStore(self.velocity_kind, "velocity", rstore.VELOCITY_BLOCK)
+        else:
+            velocity, vstore = self._load_velocities(state)
         guard = dataclasses.replace(self.guard)
         if "guard" in state:
             guard.load(state["guard"])
@@ -1032,6 +1066,8 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
         if self.auto is not None and chosen is not None:  # the saved choices, whatever this run's calibration said
             self.auto.choices, self.auto.loaded = chosen, True
             self._apply_auto()
+        if resized:
+            logger.warning("%s", dropped)
 
     def _load_velocities(self, state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], rstore.ResidualStore]:
         """Validate the checkpoint's velocities: float32 ones and ``velocity_dtype`` codes (nothing adopted yet)."""
@@ -1062,3 +1098,20 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
             f"residual_dtype={self.residual_dtype}, rank={self.rank}/{self.world_size}, modules={len(self.modules)}, "
             f"all-gather={'FSDP' if self.allgather is None else self.allgather.config()})"
         )
+
+
+def _per_rank(state: Mapping[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
+    """A checkpoint's per-rank parts, decoded to float32: what a load at another world size drops (its warning)."""
+    kind = str(state["residual_dtype"]).removeprefix("torch.")
+    parts: dict[str, Any] = {}
+    for name in ("residuals", "residual_scales", "velocity", "velocity_codes", "velocity_scales"):
+        value = state.get(name) or {}
+        if not isinstance(value, Mapping):
+            raise ValueError(f"{name} must be a mapping, got {type(value).__name__}")
+        parts[name] = value
+    velocity_kind = state.get("velocity_dtype", "float32")
+    velocities = {k: v for k, v in parts["velocity"].items() if isinstance(v, torch.Tensor)}
+    velocities.update(rstore.decoded(velocity_kind, parts["velocity_codes"], parts["velocity_scales"],
+                                     rstore.VELOCITY_BLOCK, "velocity"))
+    return {"error-feedback residual(s)": rstore.decoded(kind, parts["residuals"], parts["residual_scales"], rstore.BLOCK),
+            "velocity(ies)": velocities}

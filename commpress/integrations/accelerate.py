@@ -12,7 +12,9 @@ The recipe without this helper is three lines, but each hides a trap this functi
   Instead, save/load pre-hooks make ``accelerator.save_state(dir)`` write one
   ``<name>_rank<r>.pt`` per rank (like Accelerate's own per-process RNG files) and
   ``accelerator.load_state(dir)`` read it back with ``torch.load(..., weights_only=True)``,
-  before Accelerate restores the optimizer.
+  before Accelerate restores the optimizer. Saved by another number of processes, each rank
+  loads its own file or, a rank the saving run did not have, rank 0's (:func:`read_state`): what
+  is global loads and the per-rank residuals and velocities start empty, with one warning.
 
 Example::
 
@@ -49,6 +51,29 @@ _NAMES: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
 def state_path(directory: str | Path, name: str, rank: int) -> Path:
     """The file ``accelerator.save_state(directory)`` writes for rank ``rank``'s state."""
     return Path(directory) / f"{name}_rank{rank}.pt"
+
+
+def read_state(directory: str | Path, name: str, rank: int, world_size: int, device: torch.device | str) -> Any:
+    """The saved state rank ``rank`` loads from a ``save_state`` directory (``weights_only=True``).
+
+    Its own file; a rank the saving run did not have (it had fewer processes) reads rank 0's,
+    whose per-rank residuals and velocities the state's loader then drops with one warning,
+    keeping what is global (:meth:`commpress.ddp.CompressionState.load_state_dict`). A file
+    missing at the same world size is an error.
+    """
+    path = state_path(directory, name, rank)
+    if path.is_file():
+        return torch.load(path, map_location=device, weights_only=True)
+    first = state_path(directory, name, 0)
+    if rank > 0 and first.is_file():
+        saved = torch.load(first, map_location=device, weights_only=True)
+        if isinstance(saved, dict) and isinstance(saved.get("world_size"), int) and saved["world_size"] <= rank:
+            return saved
+    found = sorted(p.name for p in Path(directory).glob(f"{name}_rank*.pt"))
+    raise FileNotFoundError(
+        f"no commpress state for rank {rank} of {world_size} in {directory} (found {found}): the checkpoint was "
+        f"saved without commpress.integrations.accelerate.register, or a rank's file is missing"
+    )
 
 
 def register(
@@ -96,15 +121,8 @@ def register(
         torch.save(state.state_dict(), state_path(output_dir, checkpoint_name, state.rank))
 
     def load(models: list[Any], input_dir: str) -> None:
-        path = state_path(input_dir, checkpoint_name, state.rank)
-        if not path.is_file():
-            found = sorted(p.name for p in Path(input_dir).glob(f"{checkpoint_name}_rank*.pt"))
-            raise FileNotFoundError(
-                f"no commpress state for rank {state.rank} in {input_dir} (found {found}): the checkpoint was "
-                f"saved without commpress.integrations.accelerate.register, or by another number of processes"
-            )
         device = next(model.parameters()).device
-        state.load_state_dict(torch.load(path, map_location=device, weights_only=True))
+        state.load_state_dict(read_state(input_dir, checkpoint_name, state.rank, state.world_size, device))
 
     accelerator.register_save_state_pre_hook(save)
     accelerator.register_load_state_pre_hook(load)

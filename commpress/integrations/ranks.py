@@ -3,7 +3,8 @@
 Error-feedback residuals and hook velocities differ per rank, but Lightning (like most
 trainers) writes one checkpoint from global rank 0. :func:`gather_states` moves each rank's
 ``state_dict()`` to rank 0 as bytes, one peer at a time (so rank 0's device never holds more
-than two ranks' states), and :func:`own_state` picks a rank's entry back out on load.
+than two ranks' states), and :func:`own_state` picks a rank's entry back out on load (rank 0's
+at another world size: the state's loader keeps what is global and drops the per-rank rest).
 
 Byte form of one state (:func:`encode` / :func:`decode`), native byte order::
 
@@ -163,23 +164,25 @@ def checkpoint_entry(state: Mapping[str, Any], world_size: int, group: Any = Non
 def own_state(entry: Mapping[str, Any], rank: int, world_size: int, device: torch.device | str) -> dict[str, Any]:
     """Rank ``rank``'s state from a :func:`checkpoint_entry`, its tensors moved to ``device``.
 
-    Raises ValueError naming what is wrong (format, world size, a missing rank).
+    Written at another world size, every rank gets rank 0's state: what is global (configuration,
+    step, seed, counters, guard state, momentum rules) is the same in every rank's, and the state's
+    own loader drops the per-rank residuals and velocities with one warning
+    (:meth:`commpress.ddp.CompressionState.load_state_dict`). Raises ValueError naming what is
+    wrong (format, world size, a missing rank).
     """
     if not isinstance(entry, Mapping) or entry.get("format") != FORMAT:
         got = entry.get("format") if isinstance(entry, Mapping) else type(entry).__name__
         raise ValueError(f"commpress checkpoint entry: format {got!r} is not supported (expected {FORMAT})")
-    if entry.get("world_size") != world_size:
-        raise ValueError(
-            f"commpress checkpoint entry was written by {entry.get('world_size')!r} ranks, this run has "
-            f"{world_size} (residuals are per rank and cannot be redistributed)"
-        )
+    saved_world = entry.get("world_size")
+    if not isinstance(saved_world, int) or isinstance(saved_world, bool) or saved_world < 1:
+        raise ValueError(f"commpress checkpoint entry: world_size must be a positive int, got {saved_world!r}")
     ranks = entry.get("ranks")
-    if not isinstance(ranks, list) or len(ranks) != world_size or not isinstance(ranks[rank], Mapping):
+    if not isinstance(ranks, list) or len(ranks) != saved_world or not all(isinstance(r, Mapping) for r in ranks):
         raise ValueError(
             "commpress checkpoint entry does not hold every rank's state (only global rank 0's copy of "
             "a checkpoint does)"
         )
-    return to_device(ranks[rank], torch.device(device))
+    return to_device(ranks[rank if saved_world == world_size else 0], torch.device(device))
 
 
 def to_device(value: Any, device: torch.device) -> Any:

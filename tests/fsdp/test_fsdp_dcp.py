@@ -1,8 +1,9 @@
 """``FSDPCompressionState`` in ``torch.distributed.checkpoint`` (tests/fsdp_dcp_workers.py): gloo on CPU.
 
 A top-k run with error feedback and the user's SGD momentum saved with ``dcp.save`` next to the
-model and optimizer resumes in fresh processes bit for bit; another codec or world size is refused
-with an error naming it.
+model and optimizer resumes in fresh processes bit for bit; another codec is refused with an error
+naming it. At another world size (a file per rank, or DCP with ``state.dcp(checkpoint_id=...)``)
+what is global loads and the per-rank residuals and velocities are dropped with one warning.
 """
 
 from __future__ import annotations
@@ -42,12 +43,21 @@ def test_header_round_trips_and_refuses_garbage() -> None:
 def test_dcp_resume_is_bit_exact_in_fresh_processes(tmp_path: Path) -> None:
     """K steps, dcp.save, N steps; fresh processes dcp.load and run the N steps: the same parameters
     on every rank, the residuals and velocities back (float32 residuals with ``model.state_dict()``,
-    int8 ones with torch's ``get_state_dict``, AdamW's compressed momentum); a sign state, a header
-    naming another rank and a 1-rank group refuse it."""
+    int8 ones with torch's ``get_state_dict``, AdamW's compressed momentum, the last one loaded through
+    ``state.dcp(checkpoint_id=...)``); a sign state and a header naming another rank refuse it; a
+    1-rank group gets DCP's error with a bare ``state.dcp()`` and, naming the checkpoint, what is global."""
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path)
     w.launch(dw.worker_save, 2, ckpt, out, timeout=120)
     w.launch(dw.worker_resume, 2, ckpt, out, timeout=120)
     w.launch(dw.worker_other_world, 1, ckpt, timeout=60)
+
+
+def test_resume_at_another_world_size_keeps_what_is_global_and_drops_per_rank_state(tmp_path: Path) -> None:
+    """Saved at 2 ranks (files and DCP), loaded at 3: config, step, seed, call counts and guard kept, residuals and
+    velocities dropped with one warning naming their counts and norms, ``residual_dtype="auto"`` sized for 3 ranks,
+    training goes on; at 2 ranks another rank's state is still refused (the 2 -> 1 DCP case: the test above)."""
+    w.launch(dw.worker_resize_save, 2, str(tmp_path), timeout=60)
+    w.launch(dw.worker_resize_load, 3, str(tmp_path), timeout=90)
 
 
 def test_state_is_not_itself_the_dcp_form() -> None:

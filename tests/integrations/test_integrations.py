@@ -10,15 +10,21 @@ The gather/encode path of commpress.integrations.ranks is tested in one process 
 from __future__ import annotations
 
 import csv
+import gc
+import logging
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
+import commpress.ddp
 from commpress.integrations import ranks
 
 from ddp_workers import free_port, launch
@@ -154,12 +160,72 @@ def test_decode_rejects_truncated_or_padded_bytes() -> None:
 def test_own_state_checks_format_world_size_and_ranks() -> None:
     entry = {"format": ranks.FORMAT, "world_size": 2, "ranks": [{"rank": 0, "t": torch.ones(2)}, {"rank": 1}]}
     assert torch.equal(ranks.own_state(entry, 0, 2, "cpu")["t"], torch.ones(2))
-    with pytest.raises(ValueError, match="written by 2 ranks, this run has 4"):
-        ranks.own_state(entry, 0, 4, "cpu")
+    assert ranks.own_state(entry, 1, 2, "cpu") == {"rank": 1}
+    for rank, world in ((0, 1), (2, 3), (3, 4)):  # another world size: rank 0's, whose loader drops per-rank parts
+        assert ranks.own_state(entry, rank, world, "cpu")["rank"] == 0
     with pytest.raises(ValueError, match="format"):
         ranks.own_state({**entry, "format": 9}, 0, 2, "cpu")
     with pytest.raises(ValueError, match="every rank's state"):
         ranks.own_state({**entry, "ranks": None}, 1, 2, "cpu")
+    with pytest.raises(ValueError, match="every rank's state"):
+        ranks.own_state({**entry, "ranks": entry["ranks"][:1]}, 0, 1, "cpu")
+    with pytest.raises(ValueError, match="world_size must be a positive int"):
+        ranks.own_state({**entry, "world_size": "2"}, 0, 2, "cpu")
+
+
+@pytest.fixture
+def group_of_one() -> Iterator[None]:
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        gc.collect()  # no DDP reducer may outlive the group (see ddp_workers._quiesce)
+        dist.destroy_process_group()
+
+
+def _trained_state(steps: int) -> commpress.ddp.CompressionState:
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10)))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    state = commpress.ddp.register(ddp, "topk", optimizer=opt, ratio=0.1)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(torch.randn(16, 32, generator=g)), torch.randint(0, 10, (16,), generator=g)).backward()
+        opt.step()
+    return state
+
+
+def test_integration_entry_of_another_world_size_loads_what_is_global(group_of_one: None, tmp_path: Path,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """Lightning's entry (``ranks.own_state``) and Accelerate's files (``read_state``) written by 2 ranks, loaded by
+    this 1-rank group: rank 0's state, whose per-rank residuals and velocities the DDP loader drops with one warning."""
+    from commpress.integrations.accelerate import read_state, state_path
+
+    saved = _trained_state(3).state_dict()
+    assert saved["feedback"]["residuals"] and saved["velocity"] and saved["step"] == 3
+    per_rank = [{**saved, "world_size": 2, "rank": r} for r in range(2)]  # as 2 ranks wrote them
+    entry = {"format": ranks.FORMAT, "world_size": 2, "ranks": [ranks.decode(ranks.encode(s)) for s in per_rank]}
+    for r, s in enumerate(per_rank):
+        torch.save(s, state_path(tmp_path, "commpress", r))
+    for how, own in (("lightning", lambda: ranks.own_state(entry, 0, 1, "cpu")),
+                     ("accelerate", lambda: read_state(tmp_path, "commpress", 0, 1, "cpu"))):
+        state = _trained_state(0)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="commpress"):
+            state.load_state_dict(own())
+        warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(warnings) == 1 and "written by 2 ranks (file of rank 0) loaded at 1 ranks (rank 0)" in warnings[0], (
+            how, warnings)
+        assert state.step == 3 and state.guard.state() == saved["guard"] and state.stats()["bytes_sent"] > 0, how
+        assert not state.velocity and all(state.residual(n) is None for n in state.plans), how
+    # a rank the saving run did not have (it had fewer processes) reads rank 0's file; at its own size a lost file is an error
+    assert read_state(tmp_path, "commpress", 2, 3, "cpu")["rank"] == 0
+    state_path(tmp_path, "commpress", 1).unlink()
+    with pytest.raises(FileNotFoundError, match="no commpress state for rank 1 of 2"):
+        read_state(tmp_path, "commpress", 1, 2, "cpu")
 
 
 def test_callback_refuses_an_optimizer_argument_and_bad_index() -> None:
