@@ -9,9 +9,9 @@ The first ``--servers`` ranks serve (2 by default: two shards), the others train
 teacher's labels through :func:`commpress.ps.run` in sync mode, pushing with ``--codec``
 (top-k 1 % with error feedback by default) and answered with ``--pull-codec`` (sign by
 default: the servers send the compressed update ``x - replica``, or the dense shard when that
-would leave more than ``--max-drift``; 0.05 here, where about 1 reply in 10 goes dense, so
-both kinds of reply are soaked: at the default 0.01 it is 2 in 3, measured 664 of 1,000 in 500
-steps). Every ``--every`` steps the
+would leave more than ``--max-drift``; 0.05 here, where 1 reply in 10 goes dense over the
+first 500 steps and fewer later, so both kinds of reply are soaked: at the default 0.01 it is 2
+in 3, measured 664 of 1,000 in 500 steps). Every ``--every`` steps the
 run's ``on_step`` callback (:class:`commpress.ps.StepView`; it sends nothing) records on each
 rank its resident memory (``VmRSS``), open file descriptors, threads and digests of the
 parameters: a worker digests each shard's part of its parameter vector, a server the replica
