@@ -24,13 +24,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import hashlib
-import os
 import socket
 import sys
 import time
 from typing import Any
 
+import soak_common
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -42,25 +41,8 @@ from commpress.comm.costmodel import Link
 from commpress.optim import DivergenceGuard
 
 
-def _proc_status(field: str) -> int:
-    """An integer field of ``/proc/self/status`` (``VmRSS`` in kB, ``Threads``)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
-def _digest(model: nn.Module) -> int:
-    """The first 63 bits of a sha256 over every parameter's bytes."""
-    h = hashlib.sha256()
-    for p in model.parameters():
-        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
-    return int.from_bytes(h.digest()[:8], "little") >> 1
-
-
 def _sample(model: nn.Module) -> list[int]:
-    return [_proc_status("VmRSS"), len(os.listdir("/proc/self/fd")), _proc_status("Threads"), _digest(model)]
+    return [*soak_common.sample(), soak_common.digest(model.parameters())]
 
 
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
@@ -130,29 +112,16 @@ def main(argv: list[str] | None = None) -> int:
     result = out.get()
     rows, world = result["rows"], args.ranks
     print(f"soak: {args.steps} steps at {world} ranks in {result['seconds']:.1f} s; torch {torch.__version__}")
-    print("| step | " + " | ".join(f"RSS r{r} MB" for r in range(world)) + " | fds | threads | ranks identical |")
-    print("|---" * (world + 4) + "|")
-    identical_everywhere = True
+    table = []
     for row in rows:
-        step, values = row[0], row[1:]
-        per = [values[4 * r: 4 * r + 4] for r in range(world)]
-        same = len({p[3] for p in per}) == 1
-        identical_everywhere &= same
-        fds = "/".join(str(p[1]) for p in per)
-        threads = "/".join(str(p[2]) for p in per)
-        print(f"| {step} | " + " | ".join(f"{p[0] / 1024:.1f}" for p in per) + f" | {fds} | {threads} | {'yes' if same else 'NO'} |")
-    after = [row for row in rows if row[0] > args.warmup] or rows
-    first, last = after[0][1:], rows[-1][1:]
-    growth = [100.0 * (last[4 * r] - first[4 * r]) / first[4 * r] for r in range(world)]
-    fd_growth = [last[4 * r + 1] - first[4 * r + 1] for r in range(world)]
-    thread_growth = [last[4 * r + 2] - first[4 * r + 2] for r in range(world)]
-    print(f"RSS growth from step {after[0][0]} to {rows[-1][0]}: " + ", ".join(f"r{r} {g:+.2f}%" for r, g in enumerate(growth)))
-    print(f"fd growth {fd_growth}, thread growth {thread_growth}")
+        per = [row[1 + 4 * r: 5 + 4 * r] for r in range(world)]
+        table.append(soak_common.Row(row[0], [p[:3] for p in per], len({p[3] for p in per}) == 1))
+    g = soak_common.report(table, [f"r{r}" for r in range(world)], args.warmup)
     print(f"guard fired {result['guard_fired']:.0f} times ({result['guard_dense_steps']:.0f} dense steps), "
           f"auto switches {result['auto_switches']:.0f}, compression x{result['compression_ratio']:.2f}; "
-          f"ranks bit-identical at every row: {'yes' if identical_everywhere else 'NO'}")
-    failed = not identical_everywhere
-    if args.max_rss_growth is not None and max(growth) > args.max_rss_growth:
+          f"ranks bit-identical at every row: {'yes' if g.identical_everywhere else 'NO'}")
+    failed = not g.identical_everywhere
+    if args.max_rss_growth is not None and max(g.rss_percent) > args.max_rss_growth:
         print(f"RSS grew more than {args.max_rss_growth}%")
         failed = True
     return 1 if failed else 0

@@ -31,11 +31,11 @@ from __future__ import annotations
 from .config import PSConfig, parse_codec
 from .errors import ConfigError, ProtocolError, PSError, ServerTimeout, WorkerTimeout
 from .faults import Fault, parse_fault
-from .runner import EXIT_ABANDONED, RunResult, Task, finish, flat_of, reference_train, run
+from .runner import EXIT_ABANDONED, RunResult, StepView, Task, finish, flat_of, reference_train, run
 from .sharding import Layout
 
 __all__ = [
     "EXIT_ABANDONED", "ConfigError", "Fault", "Layout", "PSConfig", "PSError", "ProtocolError", "RunResult",
-    "ServerTimeout", "Task", "WorkerTimeout", "finish", "flat_of", "parse_codec", "parse_fault",
+    "ServerTimeout", "StepView", "Task", "WorkerTimeout", "finish", "flat_of", "parse_codec", "parse_fault",
     "reference_train", "run",
 ]

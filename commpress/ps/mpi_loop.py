@@ -68,6 +68,7 @@ def serve(
     bar: Any = None,
     save: Callable[[int, dict[str, Any]], None] | None = None,
     stop: StopAgreement | None = None,
+    on_step: Callable[[int], None] | None = None,
 ) -> list[int]:
     """Run ``server`` on ``comm`` until every worker said goodbye or was dropped and abandoned.
 
@@ -75,7 +76,9 @@ def serve(
     goodbye; the ranks of those that never do are returned (they may hang: the caller ends
     the job). ``bar`` is a tqdm-like progress bar (rank 0), ``save(step, state)`` writes a
     checkpoint, ``stop`` the preemption agreement (polled with liveness: the run ends at its
-    step). Raises :class:`WorkerTimeout` and other fatal :class:`PSError`; rejected
+    step), ``on_step(progress)`` runs once a handled message advanced
+    :meth:`~.server.ShardServer.progress`, after its replies were posted (it sends nothing).
+    Raises :class:`WorkerTimeout` and other fatal :class:`PSError`; rejected
     messages are logged (``commpress`` logger) and counted. Liveness is checked at least every 50 ms,
     also while messages keep arriving.
     """
@@ -87,6 +90,7 @@ def serve(
     for key in ("recv", "send", "checkpoint"):
         sec.setdefault(key, 0.0)
     last_bar = last_check = 0.0
+    reported = server.progress()
     t_start = time.monotonic()
     while True:
         outbox.poll()
@@ -128,6 +132,9 @@ def serve(
             save(step, server.state_dict())
             server.mark_saved(step)
             sec["checkpoint"] += time.perf_counter() - t3
+        if on_step is not None and server.progress() > reported:  # after the replies went out
+            reported = server.progress()
+            on_step(reported)
     server.stats.wall_seconds = time.monotonic() - t_start
     if bar is not None:
         _update_bar(bar, server, time.monotonic() - t_start)

@@ -23,7 +23,7 @@ from .config import PSConfig, codec_spec
 from .errors import ConfigError, PSError
 from .faults import Fault, parse_fault
 from .preempt import StopAgreement
-from .protocol import DENSE, MsgType, build, segment_parts
+from .protocol import BROADCAST, DENSE, MsgType, build, segment_parts
 from .server import ShardServer
 from .sharding import Layout, fingerprint
 from .stats import EventLog, gather_stats
@@ -91,6 +91,31 @@ class RunResult:
         return model
 
 
+@dataclass(frozen=True)
+class StepView:
+    """What an ``on_step`` callback of :func:`run` sees on one rank after a step (read, never write).
+
+    ``step`` counts completed steps. A worker's view comes once the servers' replies of its step
+    were applied: ``params`` is its flat parameter vector (what its model computes with). A
+    server's view comes once its progress (sync: its step; async/ssp: the slowest live
+    worker's clock) advanced, after the replies went out: ``params`` is its shard of the
+    parameters and, in sync mode, ``replica`` the shard as every worker holds it after that
+    reply (with a compressing pull codec it trails ``params`` by what the codec has not sent
+    yet). ``layout`` says which part of the flat vector each shard is. The tensors are the
+    run's own: a callback that changes them changes the training.
+    """
+
+    role: str
+    index: int
+    step: int
+    params: torch.Tensor
+    layout: Layout
+    replica: torch.Tensor | None = None
+
+
+StepHook = Callable[[StepView], None]
+
+
 def _log(rank: int, text: str) -> None:
     print(f"[commpress.ps rank {rank}] {text}", file=sys.stderr, flush=True)
 
@@ -101,12 +126,17 @@ def run(
     comm: Any = None,
     *,
     abort_on_error: bool = True,
+    on_step: StepHook | None = None,
 ) -> RunResult:
     """Run a parameter-server training on ``comm`` (default ``MPI.COMM_WORLD``); call on every rank.
 
     Fatal errors (a worker timing out in sync mode, a protocol breach by a server, a bad
     configuration) are printed naming the rank and, with ``abort_on_error``, end the whole
     job with ``comm.Abort(code)``: a rank that simply raised would leave the others waiting.
+
+    ``on_step(view)`` (a :class:`StepView`) runs on this rank after each step, between
+    messages, for monitoring (memory, digests of the parameters): it adds no message to the
+    run and must not send on ``comm``.
     """
     cfg = config or PSConfig()
     world = comm if comm is not None else mpi_loop.world()
@@ -114,7 +144,7 @@ def run(
     try:
         cfg.validate()
         with mpi_loop.private(world) as comm_dup:
-            return _run(task, cfg, comm_dup)
+            return _run(task, cfg, comm_dup, on_step)
     except Exception as exc:
         if not abort_on_error:
             raise
@@ -129,7 +159,7 @@ def _faults(cfg: PSConfig) -> list[Fault]:
     return [f if isinstance(f, Fault) else parse_fault(str(f)) for f in cfg.faults]
 
 
-def _run(task: Task, cfg: PSConfig, comm: Any) -> RunResult:
+def _run(task: Task, cfg: PSConfig, comm: Any, on_step: StepHook | None = None) -> RunResult:
     size, rank = comm.Get_size(), comm.Get_rank()
     S = cfg.servers
     W = size - S
@@ -171,10 +201,11 @@ def _run(task: Task, cfg: PSConfig, comm: Any) -> RunResult:
     stop = StopAgreement(comm) if cfg.preemption else None
     try:
         if rank < S:
-            result = _serve(task, cfg, comm, layout, model, rank, W, fp, resume_step, save if ckpt_dir else None, t0, stop)
+            result = _serve(task, cfg, comm, layout, model, rank, W, fp, resume_step, save if ckpt_dir else None, t0, stop,
+                            on_step)
         else:
             result = _work(task, cfg, comm, layout, model, rank - S, W, fp, resume_step, save if ckpt_dir else None, t0,
-                           stop)
+                           stop, on_step)
     finally:
         if stop is not None:
             stop.close()
@@ -189,7 +220,7 @@ def _run(task: Task, cfg: PSConfig, comm: Any) -> RunResult:
 
 def _serve(task: Task, cfg: PSConfig, comm: Any, layout: Layout, model: torch.nn.Module, s: int, W: int,
            fp: int, resume_step: int | None, save: Callable[[int, dict[str, Any]], None] | None,
-           t0: float, stop: StopAgreement | None = None) -> RunResult:
+           t0: float, stop: StopAgreement | None = None, on_step: StepHook | None = None) -> RunResult:
     flat = layout.flatten(p for _, p in model.named_parameters() if p.requires_grad)
     shard = layout.shards[s]
     log = EventLog(cfg.log_dir, s)
@@ -205,8 +236,14 @@ def _serve(task: Task, cfg: PSConfig, comm: Any, layout: Layout, model: torch.nn
 
         bar = tqdm(total=cfg.steps, initial=server.progress(), desc=f"commpress.ps {cfg.mode}",
                    unit="step", file=sys.stderr, mininterval=0.25, dynamic_ncols=True)
+    replica = server.replica.get(BROADCAST)  # sync mode: what every worker holds of the shard
+
+    def view(step: int) -> None:
+        assert on_step is not None
+        on_step(StepView("server", s, step, server.x, layout, replica))
+
     try:
-        abandoned = mpi_loop.serve(comm, server, bar=bar, save=save, stop=stop)
+        abandoned = mpi_loop.serve(comm, server, bar=bar, save=save, stop=stop, on_step=view if on_step else None)
     finally:
         if bar is not None:
             bar.close()
@@ -239,7 +276,7 @@ def _serve(task: Task, cfg: PSConfig, comm: Any, layout: Layout, model: torch.nn
 
 def _work(task: Task, cfg: PSConfig, comm: Any, layout: Layout, model: torch.nn.Module, w: int, W: int,
           fp: int, resume_step: int | None, save: Callable[[int, dict[str, Any]], None] | None,
-          t0: float, stop: StopAgreement | None = None) -> RunResult:
+          t0: float, stop: StopAgreement | None = None, on_step: StepHook | None = None) -> RunResult:
     try:
         device = torch.device(cfg.device)
     except RuntimeError as exc:
@@ -255,7 +292,13 @@ def _work(task: Task, cfg: PSConfig, comm: Any, layout: Layout, model: torch.nn.
     if resume_step is not None and cfg.checkpoint:
         node.load_state_dict(checkpoint.load(cfg.checkpoint, comm.Get_rank(), resume_step, like=node.state_dict()))
         start = resume_step
-    run = WorkerRun(node, loss=task.loss, batch=task.batch, workers=W, start=start, faults=_faults(cfg), save=save)
+
+    def view(step: int) -> None:
+        assert on_step is not None
+        on_step(StepView("worker", w, step, node.flat, layout))
+
+    run = WorkerRun(node, loss=task.loss, batch=task.batch, workers=W, start=start, faults=_faults(cfg), save=save,
+                    on_step=view if on_step else None)
     outcome: WorkerOutcome = mpi_loop.work(comm, run, device_buffers=device_buffers, stop=stop)
     finished = outcome.stopped is None and not outcome.vanished
     return RunResult(
@@ -306,4 +349,4 @@ def flat_of(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters() if p.requires_grad])
 
 
-__all__ = ["EXIT_ABANDONED", "RunResult", "Task", "finish", "flat_of", "reference_train", "run"]
+__all__ = ["EXIT_ABANDONED", "RunResult", "StepHook", "StepView", "Task", "finish", "flat_of", "reference_train", "run"]

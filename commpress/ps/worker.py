@@ -194,6 +194,8 @@ class WorkerRun:
         start: the first step (a resumed run's checkpoint step).
         faults: injected faults (testing only): their messages go out before the honest pushes.
         save: ``save(step, state)`` writes a checkpoint of the worker.
+        on_step: ``on_step(steps)`` once the replies of a training step were applied: the
+            node's parameters are those of ``steps`` completed steps (it must not change them).
     """
 
     def __init__(
@@ -206,9 +208,10 @@ class WorkerRun:
         start: int = 0,
         faults: Sequence[faults_mod.Fault] = (),
         save: Callable[[int, dict[str, Any]], None] | None = None,
+        on_step: Callable[[int], None] | None = None,
     ) -> None:
         self.node, self.loss, self.batch, self.W = node, loss, batch, workers
-        self.start, self.faults, self.save = start, faults, save
+        self.start, self.faults, self.save, self.on_step = start, faults, save, on_step
         self.step = start
         self.end = node.cfg.steps  #: the run's last step (earlier when preempted: :meth:`stop_at`)
         self.stop: str | None = None  #: the first STOP reason of the current exchange ("server s: ...")
@@ -246,6 +249,8 @@ class WorkerRun:
             return self._goodbye()
         if self._phase == "train" and self.stop is None:
             self.step += 1
+            if self.on_step is not None:
+                self.on_step(self.step)
         self._phase = "train"
         if self.stop is not None:
             self.outcome.stopped = self.stop

@@ -22,7 +22,9 @@ from commpress.ps.demos import digits_task
 MPIRUN = os.path.join(os.path.dirname(sys.executable), "mpirun")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-       "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+       "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+       # scripts run as files see scripts/ first on sys.path, not the checkout: import this tree's package
+       "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
 
 pytestmark = pytest.mark.skipif(not os.path.exists(MPIRUN), reason="mpirun not installed in the venv")
 
@@ -111,6 +113,28 @@ def test_codecs_converge_and_ssp_respects_its_bound(tmp_path):
             assert r["lead"] == 2  # the straggler made the bound bite
         if r["codec"] != "none" and r["mode"] == "sync":
             assert r["push_bytes_per_step_per_worker"] < r["dense_bytes_per_step_per_worker"] / 1.9
+
+
+def test_soak_prints_the_table_and_its_verdict():
+    """scripts/soak_ps.py at tiny size: a row per recording step, replicas identical, nothing grows; a differing digest says NO."""
+    proc = mpirun(4, "--steps", "40", "--every", "10", "--warmup", "10",
+                  script=(os.path.join(ROOT, "scripts", "soak_ps.py"),), timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "| step | RSS s0 MB | RSS s1 MB | RSS w0 MB | RSS w1 MB | fds | threads | replicas identical |" in out
+    rows = re.findall(r"^\| (\d+) \|.*\| (yes|NO) \|$", out, re.M)
+    assert rows == [(str(t), "yes") for t in (10, 20, 30, 40)], out
+    assert "fd growth [0, 0, 0, 0], thread growth [0, 0, 0, 0]" in out
+    assert ("workers' replicas equal the servers' at every row: yes; after the final pull every worker holds "
+            "the servers' parameters: yes") in out
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import soak_ps
+    finally:
+        sys.path.pop(0)
+    server0, server1, worker = [10, 1, 2, 3, 7, 0], [10, 1, 2, 3, 0, 8], [10, 1, 2, 3, 7, 8]
+    assert soak_ps.table_rows([[server0], [server1], [worker], [worker]], 2)[0].same
+    assert not soak_ps.table_rows([[server0], [server1], [worker], [[10, 1, 2, 3, 7, 9]]], 2)[0].same
 
 
 def test_sync_worker_that_stops_answering_stops_all_ranks_naming_it():

@@ -523,15 +523,24 @@ def test_worker_runs_and_servers_train_together_without_mpi(mode):
     for t in range(cfg.steps):
         by_hand.sync_step(t)
     c = Cluster(cfg)
-    saved = []
+    saved, seen = [], []
+
+    def on_step(w, step):  # after the replies of a step: the worker's copy is the servers' replica
+        seen.append((w, step))
+        if mode == "sync":
+            for sh, sv in zip(c.layout.shards, c.servers):
+                assert torch.equal(c.nodes[w].flat[sh.start : sh.stop], sv.replica[BROADCAST])
+
     runs = [WorkerRun(node, loss=c.task.loss, batch=c.task.batch, workers=c.W,
                       save=lambda step, state, w=w: saved.append((w, step)),
-                      faults=[Fault("corrupt", 1, step=2)] if w == 1 else ())
+                      faults=[Fault("corrupt", 1, step=2)] if w == 1 else (),
+                      on_step=lambda step, w=w: on_step(w, step))
             for w, node in enumerate(c.nodes)]
     assert _drive(c, runs) == 1  # the corrupt copy; the honest push went through
     assert all(run.finished and run.outcome.stopped is None and run.outcome.steps_done == cfg.steps for run in runs)
     assert all(sv.finished() and sv.progress() == cfg.steps for sv in c.servers)
     assert sorted(saved) == [(0, 4), (0, 6), (1, 4), (1, 6)]
+    assert sorted(seen) == [(w, t) for w in range(c.W) for t in range(1, cfg.steps + 1)]
     for node in c.nodes:  # the final PULL: every worker holds the servers' parameters exactly
         assert torch.equal(node.flat, c.params())
     if mode == "sync":  # one order of arrival: bit-identical to the hand-driven run
