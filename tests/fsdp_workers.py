@@ -245,3 +245,24 @@ def case_corrupt(rank: int, victim: int, codec: str, opts: dict[str, Any]) -> No
         armed[0] = armed[0] or step == 3
 
     train(model, rank, range(10), on_step=on_step)
+
+
+def worker_one_rank_leaves_the_optimizer_alone(rank: int, world: int) -> None:
+    """On 1 rank FSDP2 runs no collectives: a registered model trains exactly as plain FSDP2 (momentum kept)."""
+    assert world == 1
+    finals = []
+    for how in ("plain", "passed", "discovered"):
+        model = make_fsdp(seed=3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        if how != "plain":
+            state = commpress.fsdp.register(model, "topk", ratio=0.05,
+                                            **({"optimizer": opt} if how == "passed" else {}))
+            assert state.optimizer is (opt if how == "passed" else None)
+        for step in range(4):
+            x, y = batch(rank, step)
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        assert all(g["momentum"] == 0.9 for g in opt.param_groups), how
+        finals.append(full_params(model))
+    assert torch.equal(finals[0], finals[1]) and torch.equal(finals[0], finals[2])

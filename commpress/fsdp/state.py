@@ -363,7 +363,14 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
         self.keeping_first_gradients = False
         #: set while discovery may still find the optimizer at the first reduce-scatter (then run once)
         self._find_timeout: float | None = None
-        if discover and self.uses_feedback:
+        if self.world_size == 1:
+            # FSDP2 runs no reduce-scatter or all-gather on one rank, so nothing here ever runs: taking
+            # the optimizer's momentum over would silently drop it (measured: SGD momentum 0.9 with top-k
+            # differed from plain FSDP2 after 3 steps). The optimizer is left as the user set it.
+            logger.info("commpress.fsdp.register: 1 rank, nothing to compress (FSDP2 runs no collectives); "
+                        "the optimizer is left unchanged")
+            self.optimizer = None if discover else optimizer  # type: ignore[assignment]
+        elif discover and self.uses_feedback:
             # no optimizer= given: adopt the one that steps these parameters, after its first step
             planned = self._shard_plans()
             self.discovery = OptimizerDiscovery([self._params[n] for n in planned], self._discovered,

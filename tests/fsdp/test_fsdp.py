@@ -54,6 +54,10 @@ def test_every_codec_trains_and_none_is_fsdp_bit_for_bit(world: int, tmp_path: P
     assert f32 > 0 and bf16["residual_bytes"] * 2 == f32
 
 
+def test_one_rank_trains_as_plain_fsdp_with_the_optimizers_momentum() -> None:
+    w.launch(fw.worker_one_rank_leaves_the_optimizer_alone, 1)
+
+
 def test_nonfinite_checkpoint_and_misconfiguration() -> None:
     """An Inf on one rank voids the step everywhere, residuals untouched; state_dict resumes
     bit for bit (sign, top-k with bf16 residuals, qsgd); ranks set up differently fail."""
