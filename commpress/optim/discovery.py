@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import warnings
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -78,8 +79,12 @@ class OptimizerDiscovery:
         """
         if self._handle is None:
             return None
-        found = [obj for obj in gc.get_objects()
-                 if isinstance(obj, torch.optim.Optimizer) and self._stepped(obj) == len(self._ids)]
+        # isinstance on every tracked object reads deprecated module proxies too (torch's
+        # `torch.distributed.reduce_op` warns when touched): their FutureWarning is not the user's
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            found = [obj for obj in gc.get_objects()
+                     if isinstance(obj, torch.optim.Optimizer) and self._stepped(obj) == len(self._ids)]
         if len(found) != 1:
             return None
         self.close()

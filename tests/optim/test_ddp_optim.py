@@ -181,3 +181,24 @@ def test_a_codec_and_an_algorithm_added_in_one_file_each_train_like_dense(tmp_pa
 def test_an_optimizer_mode_added_in_one_file_runs_checkpoints_and_reports() -> None:
     """tests/example_extensions.py's LocalGradientClip through ``modes=[...]``: no adapter change."""
     w.launch(ow.worker_example_mode, 2, timeout=240)
+
+
+def test_finding_the_existing_optimizer_is_silent_and_finds_it() -> None:
+    """The gc pass touches deprecated module proxies (torch.distributed.reduce_op): no warning reaches the user."""
+    import warnings
+
+    import torch.distributed as dist
+
+    from commpress.optim.discovery import OptimizerDiscovery
+
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    discovery = OptimizerDiscovery(list(model.parameters()), lambda o: None, "test")
+    try:
+        assert hasattr(dist, "reduce_op")  # the proxy that warns when read is there to be touched
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            assert discovery.find_existing() is opt
+        assert not [w for w in seen if issubclass(w.category, FutureWarning)], [str(w.message) for w in seen]
+    finally:
+        discovery.close()
