@@ -415,7 +415,8 @@ def cluster_table(data: dict[str, Any], nodes: int, local: int) -> list[str]:
         else:
             measured_text = ", ".join(f"{m:,.0f}" for m in meas)
             ratio = f"{sum(meas) / sum(claimed):.2f}" if sum(claimed) else "-"
-        layout = f"{topo['nodes']} x {topo['local_world_size']} (hierarchical)" if hier else "flat"
+        how = {"torchrun": "detected", "explicit": "local_world_size"}.get(topo.get("source", ""), "")
+        layout = f"{topo['nodes']} x {topo['local_world_size']}, hierarchical ({how})" if hier else "flat"
         lines.append(f"| {label(r['method'])} | {layout} | {', '.join(f'{c:,.0f}' for c in claimed)} | "
                      f"{measured_text} | {ratio} |")
     return lines
