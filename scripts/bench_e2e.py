@@ -22,6 +22,17 @@ its own), with a loss-vs-time plot per workload (docs/img/tta_<workload>.png):
     sudo python scripts/bench_e2e.py --tta           # 2 and 4 ranks on 1 Gbit/s, every method
     sudo python scripts/bench_e2e.py --tta --quick   # 2 ranks, 4 methods, fewer steps
     sudo python scripts/bench_e2e.py --tta --tuned "cp-sign@warmup_steps=50"   # plus a tuned row
+
+``--nodes N --local-world-size L`` runs an emulated cluster instead: N hosts of L ranks each
+(``ShapedNetwork(N, link, ranks_per_node=L)``; a node's ranks talk over its loopback, only
+cross-node traffic passes the shaped link), torchrun's variables handed to every rank, and prints
+per method the bytes each node really sent across nodes per step (its link's tx counter) next to
+what the hook claims (hierarchical: its ranks' ``inter_bytes_wire``; flat: one rank's wire
+bytes, as a ring crosses each node boundary once). Under torchrun's variables commpress detects
+the layout: a flat commpress row needs ``@local_world_size=1``.
+
+    sudo python scripts/bench_e2e.py --nodes 2 --local-world-size 2 --workloads digits --links 1gbit \
+        --methods "allreduce;cp-topk:ratio=0.01@local_world_size=1;cp-topk:ratio=0.01@local_world_size=2"
 """
 
 from __future__ import annotations
@@ -388,6 +399,52 @@ def tta_main(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----- an emulated cluster (--nodes, --local-world-size) -----------------------------------------
+def cluster_table(data: dict[str, Any], nodes: int, local: int) -> list[str]:
+    """Cross-node bytes per node and step: the hook's claim against the node link's tx counter."""
+    lines = ["| method | layout | claimed across nodes / node / step | measured (link tx) / node / step | measured / claimed |",
+             "|---|---|---|---|---|"]
+    for r in data["results"]:
+        topo = r["topology"] or {"nodes": nodes * local, "local_world_size": 1}
+        hier = topo["local_world_size"] > 1
+        claimed = ([sum(r["inter_bytes_wire_per_step_by_rank"][n * local : (n + 1) * local]) for n in range(nodes)]
+                   if hier else [r["claimed_wire_bytes_per_step_by_rank"][n * local] for n in range(nodes)])
+        meas = [sum(r["measured_wire_bytes_per_step"][n * local : (n + 1) * local]) / local for n in range(nodes)]
+        if min(meas) < 0:
+            measured_text, ratio = "n/a (link not readable)", "-"
+        else:
+            measured_text = ", ".join(f"{m:,.0f}" for m in meas)
+            ratio = f"{sum(meas) / sum(claimed):.2f}" if sum(claimed) else "-"
+        how = {"torchrun": "detected", "explicit": "local_world_size"}.get(topo.get("source", ""), "")
+        layout = f"{topo['nodes']} x {topo['local_world_size']}, hierarchical ({how})" if hier else "flat"
+        lines.append(f"| {label(r['method'])} | {layout} | {', '.join(f'{c:,.0f}' for c in claimed)} | "
+                     f"{measured_text} | {ratio} |")
+    return lines
+
+
+def cluster_main(args: argparse.Namespace) -> int:
+    """Train on ``--nodes`` emulated hosts of ``--local-world-size`` ranks; print measured vs claimed cross-node bytes."""
+    methods = args.methods.split(";") if args.methods else ["allreduce", "cp-topk:ratio=0.01@local_world_size=1",
+                                                            f"cp-topk:ratio=0.01@local_world_size={args.local_world_size}"]
+    port = 29900
+    for workload in args.workloads:
+        steps = (args.lm_steps if workload == "lm" else args.digits_steps) or 30
+        for link in args.links or ["1gbit"]:
+            with ShapedNetwork(args.nodes, None if link == "unshaped" else link,
+                               ranks_per_node=args.local_world_size) as net:
+                data = launch(net, net.world_size, workload, steps, 0, port, args.timeout, methods)
+                shaped = net.shaped
+            port += 1
+            if args.json:
+                with open(args.json, "a") as f:
+                    f.write(json.dumps({"key": [workload, link, args.nodes, args.local_world_size], **data}) + "\n")
+            print(f"\n{workload}, {args.nodes} nodes x {args.local_world_size} ranks, {link} between nodes "
+                  f"({'shaped' if shaped else 'NOT shaped: loopback, nothing measured'}), {data['steps']} steps "
+                  f"(the first 2 not counted); bytes per step, node 0, node 1, ...:\n")
+            print("\n".join(cluster_table(data, args.nodes, args.local_world_size)))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tta", action="store_true",
@@ -396,8 +453,9 @@ def main() -> int:
                     help="a smaller matrix (--tta: 2 ranks, 4 methods, 60 LM / 100 digits steps)")
     ap.add_argument("--ranks", type=int, nargs="+", help="world sizes (default 2 4; --tta --quick: 2)")
     ap.add_argument("--links", nargs="+", help="default unshaped 10gbit 1gbit; --tta: 1gbit")
-    ap.add_argument("--workloads", nargs="+", choices=["lm", "digits", "wide-digits"], default=["lm", "digits"],
-                    help="--tta only (wide-digits: the 17M-parameter SGD workload, not run by default)")
+    ap.add_argument("--workloads", nargs="+", choices=["lm", "digits", "wide-digits"],
+                    help="--tta (default lm digits) and --nodes (default digits) only (wide-digits: the "
+                         "17M-parameter SGD workload, not run by default)")
     ap.add_argument("--lm-steps", type=int,
                     help="--tta: lm steps at 2 ranks (default 200, quick 60); N ranks train 2/N as many (same samples)")
     ap.add_argument("--digits-steps", type=int,
@@ -415,7 +473,15 @@ def main() -> int:
     ap.add_argument("--pin", action="store_true",
                     help="speed runs: pin rank r to CPU r %% cpu_count (steadier step times on a small host)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per launch before it is killed")
+    ap.add_argument("--nodes", type=int, help="an emulated cluster of this many hosts (with --local-world-size)")
+    ap.add_argument("--local-world-size", type=int, default=1,
+                    help="--nodes: ranks per host; prints measured against claimed cross-node bytes per step "
+                         "(--workloads, --links, --methods; steps: --digits-steps / --lm-steps, default 30)")
     args = ap.parse_args()
+    if args.nodes:
+        args.workloads = args.workloads or ["digits"]
+        return cluster_main(args)
+    args.workloads = args.workloads or ["lm", "digits"]
     if args.tta:
         return tta_main(args)
     args.ranks = args.ranks or [2, 4]

@@ -1,5 +1,6 @@
 """The shaped multi-host harness: links really are rate-limited, counters count, nothing leaks."""
 
+import json
 import os
 import subprocess
 import sys
@@ -7,9 +8,12 @@ import time
 
 import pytest
 
+from commpress.comm import topology
 from commpress.demo import shaped_net
 
-SCRIPTS = os.path.join(os.path.dirname(__file__), "..", "scripts")
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+SCRIPTS = os.path.join(ROOT, "scripts")
 
 needs_root = pytest.mark.skipif(not shaped_net.can_shape()[0], reason=f"cannot shape: {shaped_net.can_shape()[1]}")
 
@@ -78,6 +82,45 @@ def test_loopback_on_request_even_as_root(capsys):
     with shaped_net.ShapedNetwork(2, "1gbit", loopback=True) as net:
         assert not net.shaped and net.addr(1) == "127.0.0.1" and net.command(0, ["true"]) == ["true"]
     assert "loopback requested" in capsys.readouterr().err
+
+
+@needs_root
+def test_cluster_ranks_of_a_node_talk_over_loopback_and_cross_node_bytes_are_counted(tmp_path):
+    """2 nodes x 2 ranks: an all-reduce inside a node leaves the shaped veth alone, one across nodes crosses it."""
+    with shaped_net.ShapedNetwork(2, "1gbit", ranks_per_node=2) as net:
+        assert len(namespaces()) == 3 and net.world_size == 4
+        before = [net.tx_rx_bytes(h) for h in range(2)]
+        codes = net.run(lambda r: [sys.executable, os.path.join(HERE, "cluster_workers.py"), str(tmp_path)], timeout=120,
+                        env={"MASTER_PORT": "29533", "PYTHONPATH": os.pathsep.join([ROOT, HERE]), "OMP_NUM_THREADS": "1"})
+        after = [net.tx_rx_bytes(h) for h in range(2)]
+    assert namespaces() == []
+    assert codes == [0, 0, 0, 0]
+    reports = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(4)]
+    for r, rep in enumerate(reports):  # started where torchrun would put it, and commpress sees the layout
+        assert (rep["node"], rep["local_rank"], rep["master"]) == (r // 2, r % 2, shaped_net.SUBNET + ".1")
+        assert rep["topology"] == {"nodes": 2, "local_world_size": 2, "source": "torchrun"}
+    for rep in reports[::2]:  # local rank 0 reads its node's counters
+        intra, inter, payload = rep["phases"]["intra"], rep["phases"]["inter"], rep["payload"]
+        assert intra["lo"] >= payload and intra["eth0"] < 0.02 * payload, intra  # store and barriers only
+        assert inter["eth0"] >= payload and inter["lo"] < 0.02 * payload, inter
+    for (tx0, rx0), (tx1, rx1) in zip(before, after):  # the whole run, seen from outside the nodes
+        assert 2 * reports[0]["payload"] <= tx1 - tx0 < 2.5 * reports[0]["payload"]
+        assert 2 * reports[0]["payload"] <= rx1 - rx0 < 2.5 * reports[0]["payload"]
+
+
+def test_cluster_env_describes_the_layout_as_torchrun_would(monkeypatch):
+    monkeypatch.setattr(shaped_net, "can_shape", lambda: (False, "not root"))
+    with shaped_net.ShapedNetwork(2, "1gbit", quiet=True, ranks_per_node=2) as net:
+        envs = [net.rank_env(r) for r in range(net.world_size)]
+        assert [net.node_of(r) for r in range(4)] == [0, 0, 1, 1]
+        with pytest.raises(ValueError):
+            net.node_of(4)
+    assert [(e["RANK"], e["LOCAL_RANK"], e["GROUP_RANK"]) for e in envs] == [
+        ("0", "0", "0"), ("1", "1", "0"), ("2", "0", "1"), ("3", "1", "1")]
+    assert all(e["WORLD_SIZE"] == "4" and e["LOCAL_WORLD_SIZE"] == "2" and e["MASTER_ADDR"] == net.addr(0)
+               for e in envs)
+    topo = topology.decide([topology.read_environment(e) for e in envs])
+    assert (topo.nodes, topo.local_world_size, topo.source) == (2, 2, "torchrun")
 
 
 def test_scripts_shim_is_the_package_module():

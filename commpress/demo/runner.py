@@ -6,7 +6,8 @@ For every method in ``--methods`` it builds the same model from the same seed, w
 DDP over gloo, attaches the method's communication hook, trains ``--steps`` steps and
 records per-step wall time, the held-out curve (with wall-clock timestamps, evaluation
 excluded), the bytes the hook says it sent and the bytes this host's interface really
-transmitted. Rank 0 writes everything to ``--out``.
+transmitted (on an emulated cluster of several ranks per host, :mod:`.shaped_net`, every rank
+reads its node's link: the node's cross-node bytes). Rank 0 writes everything to ``--out``.
 
 Workloads (models and data from :mod:`.workloads`):
 
@@ -276,9 +277,6 @@ def run_method(method: str, work: Workload, steps: int, warmup: int, eval_every:
     bar.close()
     timed = steps - warmup
     tx1 = tx_bytes()
-    measured = torch.tensor([-1.0 if tx0 is None or tx1 is None else (tx1 - tx0) / max(timed, 1)], dtype=torch.float64)
-    gathered = [torch.zeros_like(measured) for _ in range(world)]
-    dist.all_gather(gathered, measured)
     if state is not None:
         stats = state.stats()
         claimed_wire = stats["bytes_wire"] / max(timed, 1)
@@ -286,6 +284,12 @@ def run_method(method: str, work: Workload, steps: int, warmup: int, eval_every:
     else:
         claimed_wire = claimed * 2 * (world - 1) / world  # ring all-reduce per rank
         ratio = 4 * numel / claimed
+    inter_wire = 0.0 if state is None else stats["inter_bytes_wire"] / max(timed, 1)
+    # per rank: bytes its interface transmitted, the wire bytes it claims, of which across nodes
+    mine = torch.tensor([-1.0 if tx0 is None or tx1 is None else (tx1 - tx0) / max(timed, 1), claimed_wire, inter_wire],
+                        dtype=torch.float64)
+    gathered = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine)
     auto = getattr(state, "auto", None)
     if state is not None and auto is not None and work.rank == 0:
         for row in auto.report():
@@ -302,7 +306,10 @@ def run_method(method: str, work: Workload, steps: int, warmup: int, eval_every:
         "optimizer_passed": with_optimizer,
         "median_step_s": statistics.median(step_s) if step_s else None,
         "claimed_wire_bytes_per_step": claimed_wire,
-        "measured_wire_bytes_per_step": [float(t) for t in gathered],
+        "measured_wire_bytes_per_step": [float(t[0]) for t in gathered],
+        "claimed_wire_bytes_per_step_by_rank": [float(t[1]) for t in gathered],
+        "inter_bytes_wire_per_step_by_rank": [float(t[2]) for t in gathered],
+        "topology": None if state is None else state.topology.config(),
         "compression_ratio": ratio,
         # the hierarchical algorithm's bytes handed over across nodes (0 when flat), and all of them
         "inter_bytes_sent_per_step": None if state is None else stats["inter_bytes_sent"] / max(timed, 1),

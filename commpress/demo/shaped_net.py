@@ -9,15 +9,30 @@ and on SIGINT/SIGTERM. Names carry the creating process id, so concurrent runs (
 next to the test suite) never touch each other; namespaces whose creator has died are removed
 before a new network is built.
 
+**An emulated cluster.** ``ShapedNetwork(nodes, rate, ranks_per_node=L)`` makes each host a
+node of ``L`` ranks: :meth:`ShapedNetwork.run` starts rank ``r`` in host ``r // L`` with torchrun's
+variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ...,
+``MASTER_ADDR`` = host 0's address; :meth:`~ShapedNetwork.rank_env`), so
+:mod:`commpress.comm.topology` sees ``nodes x L``. gloo binds every rank to its host's ``eth0``
+address (``GLOO_SOCKET_IFNAME``); a peer on the same host has a local address, which the
+kernel routes through that namespace's ``lo``: the ranks of a node talk over loopback (fast,
+unshaped) and only cross-node traffic passes the shaped veth, whose counters
+(:meth:`~ShapedNetwork.tx_rx_bytes`) therefore measure the inter-node bytes. Measured on 2
+nodes x 2 (tests/cluster_workers.py): two 4 MB all-reduces between the ranks of each node moved
+1.4 KB on a node's veth (barriers) and 16.8 MB on its ``lo``; the same between the nodes, 16.8 MB
+on the veth. Without ``GLOO_SOCKET_IFNAME`` gloo binds to the hostname's address (127.0.0.1
+here) and the ranks of different nodes cannot reach each other.
+
 Without root (or without ``ip``), or when asked (``loopback=True``), :class:`ShapedNetwork`
 says so and falls back to loopback: every host is 127.0.0.1 and nothing is shaped.
 
 It lives in the package so that ``commpress train`` (:mod:`.train`) can use it from an
 installed copy; ``scripts/shaped_net.py`` is the same module under its old name (the
-benchmarks import it from there). Command line (one command per host, ``{rank}`` and
-``{addr}`` substituted)::
+benchmarks import it from there). Command line (one command per rank, ``{rank}``, ``{node}``,
+``{local_rank}`` and ``{addr}`` (the rank's host address) substituted)::
 
     python -m commpress.demo.shaped_net --hosts 2 --rate 1gbit -- python train.py --rank {rank}
+    python -m commpress.demo.shaped_net --hosts 2 --ranks-per-node 2 -- python train.py --rank {rank}
     python -m commpress.demo.shaped_net --self-test          # measures the shaped throughput
 """
 
@@ -50,13 +65,17 @@ def can_shape() -> tuple[bool, str]:
 
 
 class ShapedNetwork:
-    """Context manager: N hosts on links of ``rate`` (tc syntax, e.g. "1gbit"), or loopback."""
+    """Context manager: N hosts on links of ``rate`` (tc syntax, e.g. "1gbit"), or loopback.
+
+    ``ranks_per_node``: ranks :meth:`run` starts on each host (a node); rank ``r`` is on host ``r // L``.
+    """
 
     def __init__(self, hosts: int, rate: str | None = "1gbit", delay_ms: float = 0.0, quiet: bool = False,
-                 loopback: bool = False) -> None:
-        if hosts < 1:
-            raise ValueError(f"hosts must be >= 1, got {hosts}")
+                 loopback: bool = False, ranks_per_node: int = 1) -> None:
+        if hosts < 1 or ranks_per_node < 1:
+            raise ValueError(f"hosts and ranks_per_node must be >= 1, got {hosts} and {ranks_per_node}")
         self.hosts = hosts
+        self.ranks_per_node = ranks_per_node
         self.rate = rate
         self.delay_ms = delay_ms
         self.shaped, self.why_not = (False, "loopback requested") if loopback else can_shape()
@@ -83,6 +102,25 @@ class ShapedNetwork:
     def ifname(self) -> str:
         """Interface name to give gloo (GLOO_SOCKET_IFNAME)."""
         return "eth0" if self.shaped else "lo"
+
+    @property
+    def world_size(self) -> int:
+        """Ranks :meth:`run` starts: ``hosts x ranks_per_node``."""
+        return self.hosts * self.ranks_per_node
+
+    def node_of(self, rank: int) -> int:
+        """The host (node) of rank ``rank``: ranks of a node are contiguous, as torchrun numbers them."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is not in 0..{self.world_size - 1}")
+        return rank // self.ranks_per_node
+
+    def rank_env(self, rank: int) -> dict[str, str]:
+        """The variables torchrun would give rank ``rank`` of this cluster, gloo's interface and ``MASTER_ADDR``."""
+        L, node = self.ranks_per_node, self.node_of(rank)
+        return {"RANK": str(rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(rank % L),
+                "LOCAL_WORLD_SIZE": str(L), "GROUP_RANK": str(node), "GROUP_WORLD_SIZE": str(self.hosts),
+                "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(self.world_size), "MASTER_ADDR": self.addr(0),
+                "GLOO_SOCKET_IFNAME": self.ifname}
 
     # --- set-up / tear-down ---------------------------------------------------------------
     def __enter__(self) -> ShapedNetwork:
@@ -145,19 +183,19 @@ class ShapedNetwork:
         self._old_handlers.clear()
 
     # --- use ------------------------------------------------------------------------------
-    def command(self, rank: int, argv: Sequence[str]) -> list[str]:
-        """``argv`` wrapped to run inside host ``rank`` (unchanged on the loopback fallback)."""
-        return ["ip", "netns", "exec", self.ns(rank), *argv] if self.shaped else list(argv)
+    def command(self, host: int, argv: Sequence[str]) -> list[str]:
+        """``argv`` wrapped to run inside host ``host`` (unchanged on the loopback fallback)."""
+        return ["ip", "netns", "exec", self.ns(host), *argv] if self.shaped else list(argv)
 
     def run(self, argv: Callable[[int], Sequence[str]], timeout: float | None = None,
             env: Mapping[str, str] | None = None) -> list[int]:
-        """Run ``argv(rank)`` on every host at once, gloo bound to the host's link; their exit codes.
+        """Run ``argv(rank)`` for every rank at once, each on its node with :meth:`rank_env`; their exit codes.
 
         ``env`` adds to the environment. Processes still running when ``timeout`` seconds have
         passed (``subprocess.TimeoutExpired`` is raised) or when waiting is interrupted are killed.
         """
-        full_env = {**os.environ, "GLOO_SOCKET_IFNAME": self.ifname, **(env or {})}
-        procs = [subprocess.Popen(self.command(r, argv(r)), env=full_env) for r in range(self.hosts)]
+        procs = [subprocess.Popen(self.command(self.node_of(r), argv(r)), env={**os.environ, **self.rank_env(r), **(env or {})})
+                 for r in range(self.world_size)]
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             return [p.wait(timeout=None if deadline is None else max(1.0, deadline - time.monotonic()))
@@ -167,11 +205,14 @@ class ShapedNetwork:
                 if p.poll() is None:
                     p.kill()
 
-    def tx_rx_bytes(self, rank: int) -> tuple[int, int]:
-        """Bytes host ``rank`` has sent and received on its link (0, 0 on the fallback)."""
+    def tx_rx_bytes(self, host: int) -> tuple[int, int]:
+        """Bytes host ``host`` has sent and received on its link, all of its ranks together (0, 0 on the fallback).
+
+        Traffic between ranks of one host stays on its loopback: these are the node's inter-node bytes.
+        """
         if not self.shaped:
             return 0, 0
-        out = _run(["ip", "netns", "exec", self.ns(rank), "cat",
+        out = _run(["ip", "netns", "exec", self.ns(host), "cat",
                     "/sys/class/net/eth0/statistics/tx_bytes", "/sys/class/net/eth0/statistics/rx_bytes"]).stdout
         tx, rx = (int(v) for v in out.split())
         return tx, rx
@@ -221,12 +262,14 @@ def _self_test(rate: str, megabytes: int) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line (see the module docstring)."""
     ap = argparse.ArgumentParser(description="Run one command per emulated host on shaped links.")
-    ap.add_argument("--hosts", type=int, default=2, help="number of hosts (default 2)")
+    ap.add_argument("--hosts", type=int, default=2, help="number of hosts (nodes; default 2)")
+    ap.add_argument("--ranks-per-node", type=int, default=1, help="ranks started on each host (default 1)")
     ap.add_argument("--rate", default="1gbit", help="link rate in tc syntax (e.g. 1gbit, 10gbit); 'none' for unshaped")
     ap.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay per link end (netem)")
     ap.add_argument("--self-test", action="store_true", help="measure the shaped throughput between two hosts")
     ap.add_argument("--megabytes", type=int, default=50, help="payload of --self-test")
-    ap.add_argument("cmd", nargs=argparse.REMAINDER, help="-- command; {rank} and {addr} are substituted")
+    ap.add_argument("cmd", nargs=argparse.REMAINDER,
+                    help="-- command; {rank}, {node}, {local_rank} and {addr} (the rank's host) are substituted")
     args = ap.parse_args(argv)
     rate = None if args.rate == "none" else args.rate
     if args.self_test:
@@ -234,11 +277,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         ap.error("give a command after --")
-    with ShapedNetwork(args.hosts, rate, args.delay_ms) as net:
-        codes = net.run(lambda r: [a.format(rank=r, addr=net.addr(r)) for a in cmd], env={"MASTER_ADDR": net.addr(0)})
-        for r in range(args.hosts):
-            tx, rx = net.tx_rx_bytes(r)
-            print(f"[shaped_net] host {r} ({net.addr(r)}): exit {codes[r]}, tx {tx:,} B, rx {rx:,} B", file=sys.stderr)
+    with ShapedNetwork(args.hosts, rate, args.delay_ms, ranks_per_node=args.ranks_per_node) as net:
+        L = net.ranks_per_node
+        codes = net.run(lambda r: [a.format(rank=r, node=r // L, local_rank=r % L, addr=net.addr(r // L)) for a in cmd])
+        for h in range(args.hosts):
+            tx, rx = net.tx_rx_bytes(h)
+            print(f"[shaped_net] host {h} ({net.addr(h)}): exit {codes[h * L:(h + 1) * L]}, tx {tx:,} B, rx {rx:,} B",
+                  file=sys.stderr)
     return max(codes, key=abs)
 
 

@@ -81,6 +81,25 @@ def test_tta_table_reports_time_to_target():
     assert lines[3].count("|") == lines[2].count("|")
 
 
+def test_cluster_table_puts_each_node_link_next_to_the_hook_claim():
+    """2 nodes x 2: hierarchical claims its node's ranks' inter-node wire bytes, flat one rank's (the ring's crossing)."""
+    bench = _bench()
+    data = {"results": [
+        {"method": "allreduce", "topology": None, "claimed_wire_bytes_per_step_by_rank": [300.0] * 4,
+         "inter_bytes_wire_per_step_by_rank": [0.0] * 4, "measured_wire_bytes_per_step": [310.0, 320.0, 300.0, 300.0]},
+        {"method": "cp-topk:ratio=0.01@local_world_size=2", "topology": {"nodes": 2, "local_world_size": 2, "source": "torchrun"},
+         "claimed_wire_bytes_per_step_by_rank": [90.0] * 4, "inter_bytes_wire_per_step_by_rank": [50.0, 50.0, 40.0, 40.0],
+         "measured_wire_bytes_per_step": [110.0, 110.0, 90.0, 90.0]},
+        {"method": "cp-topk", "topology": {"nodes": 4, "local_world_size": 1, "source": "explicit"},
+         "claimed_wire_bytes_per_step_by_rank": [30.0] * 4, "inter_bytes_wire_per_step_by_rank": [0.0] * 4,
+         "measured_wire_bytes_per_step": [-1.0] * 4},
+    ]}
+    lines = bench.cluster_table(data, nodes=2, local=2)
+    assert lines[2].endswith("| flat | 300, 300 | 315, 300 | 1.02 |")
+    assert lines[3].endswith("| 2 x 2, hierarchical (detected) | 100, 80 | 110, 90 | 1.11 |")
+    assert "n/a" in lines[4] and lines[4].endswith("| - |")
+
+
 def test_wide_digits_is_the_17m_sgd_workload_with_accuracy():
     pytest.importorskip("sklearn")
     from commpress.demo.runner import Workload
