@@ -387,3 +387,31 @@ def worker_defaults(rank: int, world: int) -> None:
     check_compressing_default(rank, world)
     check_exact_codecs_keep_fsdp(rank, world)
     check_checkpoint_across_defaults(rank, world)
+
+
+def worker_low_precision_adam_warning(rank: int, world: int) -> None:
+    """Top-k's Adam mode reducing bf16 gradients (the policy's reduce dtype) warns once; fp32 reduce and QSGD do not."""
+    seen: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                seen.append(record.getMessage())
+
+    handler = Collect()
+    logging.getLogger("commpress").addHandler(handler)
+    try:
+        for reduce_dtype, codec, warns in ((None, "topk", True), (torch.float32, "topk", False), (None, "qsgd", False)):
+            seen.clear()
+            model = make(mp=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype))
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            commpress.fsdp.register(model, codec, optimizer=opt, warmup_steps=1, **({"ratio": 0.05} if codec == "topk" else {}))
+            for step in range(3):
+                x, y = batch(rank, step)
+                opt.zero_grad(set_to_none=True)
+                F.cross_entropy(model(x).float(), y).backward()
+                opt.step()
+            hits = [m for m in seen if "reduce_dtype=torch.float32" in m]
+            assert_all_ranks(len(hits) == (1 if warns else 0), f"{codec}, reduce {reduce_dtype}: warnings {seen}")
+    finally:
+        logging.getLogger("commpress").removeHandler(handler)
