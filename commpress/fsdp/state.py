@@ -261,7 +261,7 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
         "feedback", "_low", "_stats", "_rule", "_group", "faults", "step", "warmup", "guard", "correction",
         "optimizer", "discovery", "adam", "handover", "_placement", "_params", "_measured", "allgather",
         "_stats_log", "auto", "_first_gradients", "keeping_first_gradients", "_find_timeout", "velocity_kind",
-        "_vstore", "param_codec_defaulted", "param_codec_why", "_checked_reduce_dtype",
+        "_vstore", "param_codec_defaulted", "param_codec_why",
     )
 
     def __init__(
@@ -345,7 +345,6 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
         self.allgather = None if param_codecs is None else ParamAllGather(model, param_codecs[0], self._rule,
                                                                           self.faults, reuse=param_codecs[1])
         self.step = 0
-        self._checked_reduce_dtype = False  # the Adam mode's low-precision reduce warning, once
         self._stats_log: StatsLogger | None = None  # log_to's
         self._measured = False
         if self.feedback is None:  # nothing to watch without residuals (the caller's object untouched)
@@ -763,9 +762,6 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
         else:
             slots = self._slots(plan, n)
         flat_in, flat_out = input.view(-1), output.view(-1)
-        if not self._checked_reduce_dtype and self.adam is not None and not dense:  # once the mode is known
-            self._checked_reduce_dtype = True
-            self._warn_low_precision_adam(flat_in.dtype)
         if self.keeping_first_gradients:  # no optimizer= yet: its first step's local gradients start the velocities
             self._keep_first_gradients(plan, flat_in)
         working_set = self.feedback is not None and self.residual_kind != "float32"
@@ -774,10 +770,17 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
             if self.adam is not None and not self.adam.active and self.step >= self.warmup.steps:
                 self._start_adam()
             compressing = not dense and not self.warmup.active(self.step) and not self.guard.dense_now()
+            warm = None if dense else self.warmup.codec_now(self.step)  # warm-up through an unbiased codec
+            # error feedback computes in float32 whatever FSDP reduces in (a MixedPrecisionPolicy's
+            # bf16/fp16 reduce dtype): velocities written into a bf16 chunk and bf16 codec input broke
+            # top-k + AdamW under the bf16 policy (byte LM: 3.20 vs the policy's 2.66; upcast here 2.73)
+            low = flat_in if self.feedback is not None and (compressing or warm is not None) and \
+                flat_in.dtype in (torch.bfloat16, torch.float16) else None
+            if low is not None:
+                flat_in, flat_out = low.float(), torch.empty(flat_out.numel(), dtype=torch.float32, device=flat_out.device)
             self._momentum_before(plan, flat_in)
             if working_set:
                 self._load_working_set(slots)
-            warm = None if dense else self.warmup.codec_now(self.step)  # warm-up through an unbiased codec
             if not dense and not compressing:  # warm-up, or the guard's dense steps (flushing residuals)
                 if self.feedback is not None:
                     self._flush(slots, flat_in)
@@ -794,26 +797,12 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
             if working_set:
                 self._store_working_set(slots, plan.calls)
             self._momentum_after(plan, flat_out, compressing)
+            if low is not None:
+                output.view(-1).copy_(flat_out)  # the reduced shard, back in FSDP's reduce dtype
             self._end_module(plan, output.device)
         if async_op:
             return torch._C._distributed_c10d._create_work_from_future(fut)  # type: ignore[attr-defined]
         return None
-
-    def _warn_low_precision_adam(self, dtype: torch.dtype) -> None:
-        """One warning when the Adam mode's biased codec reduces in bf16/fp16 (a MixedPrecisionPolicy's reduce dtype).
-
-        Measured (byte LM, AdamW, 2 ranks, 200 steps, seed 0; docs/fsdp.md): top-k 1% under
-        ``MixedPrecisionPolicy(param_dtype=bf16)`` (reduce dtype bf16) diverged twice, on two
-        machines (3.21 and 3.20 against the policy's 2.66), and ended at 2.71 with
-        ``reduce_dtype=torch.float32``; QSGD under the bf16 policy is unaffected (-7.4%).
-        """
-        if self.codec.unbiased or dtype not in (torch.bfloat16, torch.float16):
-            return
-        logger.warning(
-            "commpress.fsdp: %r with %s's compressed momentum reduces %s gradients (the MixedPrecisionPolicy's "
-            "reduce dtype): measured to diverge with top-k (docs/fsdp.md); pass "
-            "MixedPrecisionPolicy(..., reduce_dtype=torch.float32) to fully_shard, or use codec='qsgd'",
-            self.codec, type(self.optimizer).__name__, str(dtype).removeprefix("torch."))
 
     def _dense_slots(self, plan: ModulePlan, chunk: int, n: int) -> list[Slot]:
         return [Slot(f"{plan.name}#{j}", j * chunk, (chunk,), codecs.get("none")) for j in range(n)]

@@ -63,8 +63,8 @@ def test_compressed_allgather_on_two_ranks(tmp_path: Path) -> None:
     assert report["int4"]["allgather_compression_ratio"] > report["int8"]["allgather_compression_ratio"]
 
 
-def test_adam_mode_warns_once_when_a_bf16_policy_reduces_in_bf16() -> None:
-    w.launch(aw.worker_low_precision_adam_warning, 2, timeout=120)
+def test_error_feedback_computes_in_float32_when_a_bf16_policy_reduces_in_bf16() -> None:
+    w.launch(aw.worker_low_precision_reduce_computes_feedback_in_float32, 2, timeout=120)
 
 
 def test_a_nan_shard_fails_every_rank_within_seconds(tmp_path: Path) -> None:
