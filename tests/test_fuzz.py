@@ -80,19 +80,6 @@ def test_malformed_codec_config_in_a_state_is_a_codec_error(config):
         ef.load_state_dict({**good, "codec": config})
 
 
-@pytest.fixture
-def group_of_one():
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("key, value", [
     ("shapes", {"0.weight": [float("inf"), 3]}), ("shapes", [1, 2]), ("shapes", None), ("momentum", None),
     ("momentum", [0.9]), ("velocity", 3), ("momentum_rules", 7), ("stats", [1]),

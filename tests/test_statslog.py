@@ -10,16 +10,13 @@ with ``torch.utils.tensorboard.SummaryWriter`` and reads them back with TensorBo
 
 from __future__ import annotations
 
-import gc
 import logging
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
@@ -49,18 +46,6 @@ class Broken:
     def add_scalar(self, tag: str, value: float, global_step: int) -> None:
         self.calls += 1
         raise OSError("No space left on device")
-
-
-@pytest.fixture
-def group_of_one() -> Iterator[None]:
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        gc.collect()  # no DDP reducer may outlive the group (see ddp_workers._quiesce)
-        dist.destroy_process_group()
 
 
 def train(codec: str, steps: int = STEPS, writer: Any = None, every: int = 2, **options: Any) -> tuple[

@@ -10,18 +10,15 @@ The gather/encode path of commpress.integrations.ranks is tested in one process 
 from __future__ import annotations
 
 import csv
-import gc
 import logging
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import commpress.ddp
@@ -171,18 +168,6 @@ def test_own_state_checks_format_world_size_and_ranks() -> None:
         ranks.own_state({**entry, "ranks": entry["ranks"][:1]}, 0, 1, "cpu")
     with pytest.raises(ValueError, match="world_size must be a positive int"):
         ranks.own_state({**entry, "world_size": "2"}, 0, 2, "cpu")
-
-
-@pytest.fixture
-def group_of_one() -> Iterator[None]:
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        gc.collect()  # no DDP reducer may outlive the group (see ddp_workers._quiesce)
-        dist.destroy_process_group()
 
 
 def _trained_state(steps: int) -> commpress.ddp.CompressionState:
