@@ -432,7 +432,7 @@ def cluster_main(args: argparse.Namespace) -> int:
         for link in args.links or ["1gbit"]:
             with ShapedNetwork(args.nodes, None if link == "unshaped" else link,
                                ranks_per_node=args.local_world_size) as net:
-                data = launch(net, net.world_size, workload, steps, 0, port, args.timeout, methods)
+                data = launch(net, net.world_size, workload, steps, args.cluster_eval_every, port, args.timeout, methods)
                 shaped = net.shaped
             port += 1
             if args.json:
@@ -442,6 +442,8 @@ def cluster_main(args: argparse.Namespace) -> int:
                   f"({'shaped' if shaped else 'NOT shaped: loopback, nothing measured'}), {data['steps']} steps "
                   f"(the first 2 not counted); bytes per step, node 0, node 1, ...:\n")
             print("\n".join(cluster_table(data, args.nodes, args.local_world_size)))
+            if args.cluster_eval_every and any(r["method"] == "allreduce" for r in data["results"]):
+                print("\n" + "\n".join(tta_table(data)))  # quality at equal steps, step time, time to dense's loss
     return 0
 
 
@@ -477,6 +479,8 @@ def main() -> int:
     ap.add_argument("--local-world-size", type=int, default=1,
                     help="--nodes: ranks per host; prints measured against claimed cross-node bytes per step "
                          "(--workloads, --links, --methods; steps: --digits-steps / --lm-steps, default 30)")
+    ap.add_argument("--cluster-eval-every", type=int, default=0,
+                    help="--nodes: held-out evaluation every N steps (0: none); with it, the time-to-target table too")
     args = ap.parse_args()
     if args.nodes:
         args.workloads = args.workloads or ["digits"]
