@@ -83,7 +83,6 @@ _HEADER_KEYS = ("format", "codec", "error_feedback", "residual_dtype", "world_si
                 "velocity_dtype")
 #: A saved entry's header: ``<key>.rank{r}_of_{n}.header`` (``<key>``: the entry's name in the dcp dict).
 _HEADER_FQN = re.compile(r"(.+)\.rank(\d+)_of_(\d+)\.header")
-_CODE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8}
 
 
 def _encode_header(header: Mapping[str, Any]) -> torch.Tensor:
@@ -286,7 +285,7 @@ def _quantized_layout(kind: str, numels: Mapping[str, int], block: int) -> _Layo
     out: _Layout = {}
     for key, numel in sorted(numels.items()):
         shapes = rstore.stored_shapes(kind, numel, block)
-        out[key] = {"codes": (shapes["codes"], _CODE_DTYPES[kind])}
+        out[key] = {"codes": (shapes["codes"], rstore.CODE_DTYPES[kind])}
         if "scales" in shapes:
             out[key]["scales"] = (shapes["scales"], torch.float32)
     return out

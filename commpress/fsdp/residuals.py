@@ -64,6 +64,8 @@ VELOCITY_BLOCK = 64
 #: The kinds on offer, by name (``residual_dtype`` also takes ``torch.float32`` / ``torch.bfloat16``).
 KINDS = ("float32", "bfloat16", "int8", "int4")
 _BITS = {"int8": 8, "int4": 4}
+#: The dtype each kind's codes are stored in (int4: two codes per uint8).
+CODE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8}
 
 
 def resolve_kind(value: Any) -> str:
@@ -175,7 +177,7 @@ def decoded(kind: Any, codes: Mapping[str, Any], scales: Mapping[str, Any], bloc
     """
     if kind not in KINDS:
         raise ValueError(f"{what}s are stored as {kind!r}, not one of {KINDS}")
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8}[kind]
+    dtype = CODE_DTYPES[kind]
     out = {}
     for key, value in codes.items():
         if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.dtype != dtype:
@@ -248,7 +250,7 @@ class ResidualStore:
     def load(self, codes: Mapping[str, Any], scales: Mapping[str, Any], numels: Mapping[str, int]) -> None:
         """Validate and adopt :meth:`state` output (``numels``: the entries this rank keeps); all or nothing."""
         what = self.what
-        dtype = {"bfloat16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8}[self.kind]
+        dtype = CODE_DTYPES[self.kind]
         new_codes, new_scales = {}, {}
         for key, value in codes.items():
             if key not in numels:
@@ -273,5 +275,5 @@ class ResidualStore:
         self.numels = {k: numels[k] for k in new_codes}
 
 
-__all__ = ["BLOCK", "KINDS", "PAIRS", "VELOCITY_BLOCK", "ResidualStore", "auto_kind", "auto_kinds", "bytes_per_element", "decoded",
+__all__ = ["BLOCK", "CODE_DTYPES", "KINDS", "PAIRS", "VELOCITY_BLOCK", "ResidualStore", "auto_kind", "auto_kinds", "bytes_per_element", "decoded",
            "dequantize", "quantize", "resolve_kind", "state_bytes", "stored_shapes"]

@@ -236,11 +236,9 @@ def _serve(task: Task, cfg: PSConfig, comm: Any, layout: Layout, model: torch.nn
 
         bar = tqdm(total=cfg.steps, initial=server.progress(), desc=f"commpress.ps {cfg.mode}",
                    unit="step", file=sys.stderr, mininterval=0.25, dynamic_ncols=True)
-    replica = server.replica.get(BROADCAST)  # sync mode: what every worker holds of the shard
-
     def view(step: int) -> None:
-        assert on_step is not None
-        on_step(StepView("server", s, step, server.x, layout, replica))
+        assert on_step is not None  # replica: sync mode's copy of what every worker holds of the shard
+        on_step(StepView("server", s, step, server.x, layout, server.replica.get(BROADCAST)))
 
     try:
         abandoned = mpi_loop.serve(comm, server, bar=bar, save=save, stop=stop, on_step=view if on_step else None)
