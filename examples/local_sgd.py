@@ -70,6 +70,7 @@ def main() -> None:
         print(f"done: loss {first:.3f} -> {last:.3f}, bytes/sync {s['bytes_sent_per_step']:.0f} "
               f"(dense {s['dense_bytes_per_step']:.0f}, peak in flight {s['peak_bytes_in_flight']:.0f}), "
               f"x{ddp / max(s['bytes_sent'], 1):.0f} fewer than DDP")
+    dist.barrier()  # every rank done with its collectives before the group goes (as the other examples)
     dist.destroy_process_group()
 
 
