@@ -280,6 +280,11 @@ def run_one(rank: int, world: int, kind: str, options: dict[str, Any], args: arg
         s = trainer.stats()
         extra.update({k: s[k] for k in ("peak_bytes_in_flight", "sync_wait_s", "sync_transfer_s", "syncs")})
         extra["outer_codec"] = trainer.outer.codec.config()
+        if trainer.auto is not None:  # codec="auto": what it chose and why
+            extra.update(outer_auto=trainer.auto.config(), auto_reason=trainer.auto.reason)
+            if rank == 0:
+                print(f"[bench_local {args.link}] {label}: codec='auto' chose {extra['outer_auto']}: {trainer.auto.reason}",
+                      file=sys.stderr, flush=True)
     with torch.no_grad():
         metrics = work.evaluate(model)
     curve.append((args.steps, train_s, metrics["loss"]))
@@ -393,7 +398,8 @@ def table(results: list[dict[str, Any]], args: argparse.Namespace,
     then the time to DDP's final held-out loss x1.02 (DDP on this link), against DDP on this link and,
     when given, on the unshaped link (``unshaped_ddp``: its row)."""
     ddp = next((r for r in results if r.get("kind", "ddp") == "ddp" and r["label"].startswith("DDP")), None)
-    target = ddp["loss"] * LOSS_TARGET if ddp else None
+    source = ddp or unshaped_ddp  # without a DDP row here, the unshaped one's loss (the same: it does not depend on the link)
+    target = source["loss"] * LOSS_TARGET if source else None
     t_ddp = time_to(ddp["curve"], target) if ddp and target is not None and "curve" in ddp else None
     t_ref = None
     if unshaped_ddp is not None and target is not None:
@@ -423,7 +429,7 @@ def table(results: list[dict[str, Any]], args: argparse.Namespace,
         lines.append("| " + " | ".join(row + tail) + " |")
     if target is not None:
         lines.append("")
-        lines.append(f"Target: DDP's final held-out loss on this link x {LOSS_TARGET} = {target:.4f}; DDP reached it "
+        lines.append(f"Target: DDP's final held-out loss on {'this' if ddp else 'the unshaped'} link x {LOSS_TARGET} = {target:.4f}; DDP reached it "
                      f"in {_fmt_s(t_ddp)} s (training clock of rank 0, evaluations excluded)"
                      + (f"; on the unshaped link in {_fmt_s(t_ref)} s" if unshaped_ddp is not None else "") + ".")
     return lines
