@@ -425,3 +425,76 @@ def agree_within(model: torch.nn.Module, group: Any) -> bool:
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
     return all(bool(e == everyone[0]) for e in everyone)
+
+
+def worker_auto_codec(rank: int, world: int) -> None:
+    """``codec="auto"``: a very fast given link picks dense, a very slow one QSGD 4-bit; every rank alike;
+    a resumed run keeps the saved choice whatever its own link says; bad options are refused."""
+    from commpress.comm.costmodel import Link
+    from commpress.errors import CodecError
+
+    fast, slow = Link.from_gbit(1e4, latency_s=0.0), Link.from_gbit(1e-4)
+    chosen: dict[str, tuple[str, float]] = {}
+    states: dict[str, Any] = {}
+    for name, link, opts in [("fast", fast, {"sync_every": 8, "overlap": 8}), ("slow", slow, {"sync_every": 8}),
+                             ("slow_blocking", slow, {"sync_every": 8, "overlap": 0})]:
+        model = make_net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        with commpress.local.DiLoCo(model, opt, codec="auto", auto_link=link, **opts) as diloco:
+            assert diloco.config()["outer_auto"] == "undecided" and diloco.stats()["auto_choice"] == -1
+            for step in range(16):
+                inner_step(model, opt, rank, step)
+                if step == 3:
+                    states[f"{name}_undecided"] = diloco.state_dict()
+        states[name] = diloco.state_dict()  # before flush(): a checkpoint at step 16 holds the sync in flight
+        diloco.flush()
+        s = diloco.stats()
+        assert s["syncs"] == 2 and s["auto_window_s"] > 0 and s["auto_step_s"] > 0, s
+        assert all(f"auto_predicted_{c}_s" in s for c in ("dense", "qsgd8", "qsgd4")), s
+        chosen[name] = (diloco.config()["outer_auto"], s["bytes_sent"])
+        assert diloco.outer.codec.config()["name"] == ("none" if chosen[name][0] == "dense" else "qsgd")
+        assert same_across_ranks_tensor(torch.cat([g.reshape(-1) for g in diloco.global_params]))
+    assert chosen["fast"][0] == "dense", chosen
+    assert chosen["slow"][0] == "qsgd4" and chosen["slow_blocking"][0] == "qsgd4", chosen
+    assert chosen["fast"][1] > 5 * chosen["slow"][1], chosen  # dense sends fp32, QSGD 4-bit ~1/7 of it
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, chosen)
+    assert all(e == chosen for e in everyone), everyone
+    # resume: the saved choice wins over this run's own (slow) link; an undecided one decides again
+    model = make_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    resumed = commpress.local.DiLoCo(model, opt, sync_every=8, overlap=8, codec="auto", auto_link=slow)
+    resumed.load_state_dict(states["fast"])
+    assert resumed.config()["outer_auto"] == "dense" and resumed.outer.codec.config()["name"] == "none"
+    with resumed:
+        for step in range(16, 24):
+            inner_step(model, opt, rank, step)
+    assert resumed.config()["outer_auto"] == "dense" and resumed.stats()["syncs"] == 3
+    model = make_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    again = commpress.local.DiLoCo(model, opt, sync_every=8, overlap=8, codec="auto", auto_link=slow)
+    again.load_state_dict(states["fast_undecided"])
+    assert again.config()["outer_auto"] == "undecided"
+    with again:
+        for step in range(4, 8):
+            inner_step(model, opt, rank, step)
+    assert again.config()["outer_auto"] == "qsgd4"
+    # an auto checkpoint does not load into a fixed codec, nor a fixed one into auto
+    model = make_net()
+    plain = commpress.local.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=8, overlap=8)
+    with pytest.raises(ValueError, match="outer_auto"):
+        plain.load_state_dict(states["slow"])
+    with pytest.raises(ValueError, match="outer_auto"):
+        again.load_state_dict(plain.state_dict())
+    model = make_net()
+    with pytest.raises(ConfigurationError, match="codec='auto' chooses"):
+        commpress.local.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), codec="auto", bits=4)
+    with pytest.raises(CodecError, match="auto_link"):
+        commpress.local.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), codec="auto", auto_link="1gbit")
+
+
+def same_across_ranks_tensor(t: torch.Tensor) -> bool:
+    """True when ``t`` is bit-identical on every rank."""
+    everyone = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, t.contiguous())
+    return all(torch.equal(e, t) for e in everyone)

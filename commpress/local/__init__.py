@@ -19,7 +19,9 @@ Example::
         for x, y in batches:
             opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
 
-Not built yet (issue #26): the parameter server as an outer-step server, ``codec="auto"``.
+``DiLoCo(..., codec="auto")`` (:mod:`.auto`) chooses the outer codec from the cost model.
+
+Not built yet (issue #26): the parameter server as an outer-step server.
 """
 
 from .diloco import DEFAULT_CODEC, DEFAULT_SYNC_EVERY, DiLoCo

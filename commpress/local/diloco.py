@@ -71,6 +71,7 @@ from ..comm import CommStats
 from ..comm.faults import wait
 from ..errors import ConfigurationError
 from ..options import ratio_stats
+from .auto import CANDIDATES, OuterAuto, parse_choice
 from .outer import OuterReduction, PendingReduction
 from .schedule import SYNC_TIMEOUT_S, VERIFY_TIMEOUT_S, LocalSchedule
 
@@ -105,7 +106,10 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
         inner_optimizer: the user's optimizer over the model's parameters (any ``torch.optim``).
         sync_every: inner steps H between syncs.
         codec: the outer gradient's codec (a name with ``**codec_params``, or a Codec);
-            ``"none"`` sends it dense.
+            ``"none"`` sends it dense; ``"auto"`` (:mod:`.auto`) chooses dense, QSGD 8-bit or QSGD
+            4-bit at the first sync: the most exact whose predicted sync time fits in ``overlap``
+            steps of compute (blocking: 10% of the steps between syncs), from a calibrated link
+            (``auto_link=Link.from_gbit(...)`` to give one) and the measured step time.
         outer_lr, outer_momentum, nesterov: the default outer optimizer,
             ``SGD(lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)``.
         outer_optimizer: ``f(params) -> torch.optim.Optimizer`` over the global copy, in place of the default.
@@ -154,8 +158,18 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
         self.bounds = split_fragments([p.numel() for p in self.params], self.fragments)
         if codec is None:
             codec, codec_params = DEFAULT_CODEC[0], {**DEFAULT_CODEC[1], **codec_params}
-        self.outer = OuterReduction(self.names, [tuple(p.shape) for p in self.params], self.dtype, codec, codec_params,
-                                    world_size=self.world_size, rank=self.rank, seed=seed, min_numel=min_numel)
+        shapes = [tuple(p.shape) for p in self.params]
+        #: ``codec="auto"`` (:mod:`.auto`): the choice, and one reduction per candidate (the default until it is made)
+        self.auto: OuterAuto | None = None
+        self._candidates: list[OuterReduction] = []
+        if isinstance(codec, str) and codec == "auto":
+            self.auto = OuterAuto.from_params(codec_params)
+            self._candidates = OuterAuto.reductions(self.names, shapes, self.dtype, world_size=self.world_size,
+                                                    rank=self.rank, seed=seed, min_numel=min_numel)
+            self.outer = self._candidates[-1]
+        else:
+            self.outer = OuterReduction(self.names, shapes, self.dtype, codec, codec_params,
+                                        world_size=self.world_size, rank=self.rank, seed=seed, min_numel=min_numel)
         self.global_device = torch.device(global_device)
         self._global = torch.empty(self.numel, dtype=self.dtype, device=self.global_device)
         self._grad = torch.zeros_like(self._global)
@@ -187,6 +201,8 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
                                              if group is not None else 0, group=group, async_op=True), self.device)
             self._global.copy_(start)
             self.set_params(start)
+            if self.auto is not None:
+                self.auto.calibrate(self._candidates, group, self.device)
 
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         out, off = [], 0
@@ -204,13 +220,33 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
     def tick(self) -> None:
         """After inner step :attr:`step`: merge the sync launched ``overlap`` steps ago, launch the one due."""
         self._merge_if_due()
+        if self.auto is not None and not self.auto.decided:
+            self.auto.note_step()
         if self.step % self.interval == 0:
             fragment = (self.step // self.interval - 1) % self.fragments
             with torch.no_grad(), self.faults.guarded(self.where()):
                 self.arrive(self.syncs)
+                if self.auto is not None and not self.auto.decided:
+                    self._decide()
                 self._launch(fragment)
             self.syncs += 1
             self._merge_if_due()  # overlap=0: at once
+
+    def _decide(self) -> None:
+        """``codec="auto"``: choose the outer codec before the first sync launches (:mod:`.auto`)."""
+        assert self.auto is not None
+        choice = self.auto.decide(self._candidates, self.bounds, self.overlap, self.interval, self.world_size,
+                                  self.process_group, self.device)
+        self._adopt(choice)
+        if self.rank == 0:
+            logger.info("commpress: DiLoCo codec='auto' chose %s for the outer gradient: %s",
+                        CANDIDATES[choice][0], self.auto.reason)
+
+    def _adopt(self, choice: int | None) -> None:
+        """Reduce with candidate ``choice`` from now on (None: the provisional default); the byte counters carry over."""
+        red = self._candidates[-1 if choice is None else choice]
+        red.counters = self.outer.counters
+        self.outer = red
 
     def _merge_if_due(self) -> None:
         p = self._pending
@@ -293,11 +329,17 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
 
     # ----- configuration, statistics, checkpoints ---------------------------------------------------
     def config(self) -> dict[str, Any]:
-        """Everything all ranks (and a checkpoint) must agree on (plain types)."""
+        """Everything all ranks (and a checkpoint) must agree on (plain types); with ``codec="auto"``, its choice."""
+        return self._config(self.outer, None if self.auto is None else self.auto.config())
+
+    def _config(self, outer: OuterReduction, auto: str | None) -> dict[str, Any]:
         defaults = {k: v for k, v in self.outer_optimizer.defaults.items() if isinstance(v, (bool, int, float, str))}
-        return {**super().config(), **self.outer.config(),
-                "outer_optimizer": [type(self.outer_optimizer).__name__, sorted(defaults.items())],
-                "fragments": list(self.bounds), "overlap": self.overlap, "merge_alpha": self.merge_alpha}
+        out = {**super().config(), **outer.config(),
+               "outer_optimizer": [type(self.outer_optimizer).__name__, sorted(defaults.items())],
+               "fragments": list(self.bounds), "overlap": self.overlap, "merge_alpha": self.merge_alpha}
+        if auto is not None:  # absent otherwise: checkpoints of other codecs keep loading
+            out["outer_auto"] = auto
+        return out
 
     def stats(self) -> dict[str, float]:
         """Inner steps, syncs (one per fragment sync), skipped syncs, the outer reduction's bytes, and timing.
@@ -311,6 +353,8 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
         s: dict[str, float] = dict(self.outer.counters.as_dict())
         s.update(steps=self.step, syncs=self.syncs, skipped_syncs=self.skipped, sync_wait_s=self.sync_wait_s,
                  sync_transfer_s=self.sync_transfer_s, peak_bytes_in_flight=self.peak_bytes_in_flight)
+        if self.auto is not None:
+            s.update(self.auto.stats())
         return ratio_stats(s, self.syncs)
 
     def state_dict(self) -> dict[str, Any]:
@@ -353,10 +397,17 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
             raise ValueError(f"DiLoCo state is missing {sorted(missing)}")
         if state["format"] != STATE_FORMAT:
             raise ValueError(f"DiLoCo state format {state['format']!r} is not supported (expected 1 or {STATE_FORMAT})")
-        mine = _jsonish(self.config())
         theirs = state["config"]
         if not isinstance(theirs, Mapping):
             raise ValueError(f"config must be a mapping, got {type(theirs).__name__}")
+        outer, choice = self.outer, None
+        if self.auto is not None:  # a resumed run keeps the checkpoint's choice: compare against it
+            if "outer_auto" not in theirs:
+                raise ValueError("config.outer_auto: checkpoint has none (not saved with codec='auto'), this DiLoCo "
+                                 "has codec='auto'")
+            choice = parse_choice(theirs["outer_auto"])
+            outer = self._candidates[-1 if choice is None else choice]
+        mine = _jsonish(self._config(outer, None if self.auto is None else theirs["outer_auto"]))
         for key in sorted(set(mine) | set(theirs)):
             if _jsonish(theirs.get(key)) != mine.get(key):
                 raise ValueError(f"config.{key}: checkpoint has {theirs.get(key)!r:.120}, this DiLoCo {mine.get(key)!r:.120}")
@@ -376,7 +427,7 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
         check_loaded_tensor(state["global"], "global", numel=self.numel, dtypes=(self.dtype,))
         if state["global"].dim() != 1:
             raise ValueError(f"global must be flat, got shape {tuple(state['global'].shape)}")
-        self.outer.check_state(state["feedback"])
+        outer.check_state(state["feedback"])
         try:
             checkpoint.validate(state["outer_optimizer"], what="outer_optimizer")
             probe = self._factory([t.detach().clone() for t in self.global_params])
@@ -389,6 +440,9 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
         # everything checked: apply (after this trainer's own sync in flight, which writes into _delta)
         if self._pending is not None:
             self._complete(self._pending)
+        if self.auto is not None:
+            self._adopt(choice)
+            self.auto.adopt(choice, "from the checkpoint")
         self._global.copy_(state["global"])
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
         self.outer.load_state_dict(state["feedback"])

@@ -128,3 +128,7 @@ def test_overlap_peak_bytes_are_one_fragment_and_waits_are_measured(tmp_path: Pa
 def test_replicas_of_two_ranks_agree_after_every_sync() -> None:
     # 4 gloo ranks: 2 replicas of 2 (DDP inside), DiLoCo with the default outer codec across them
     w.launch(lw.worker_replicas, 4, "qsgd", 2, timeout=120)
+
+
+def test_auto_codec_picks_by_link_and_ranks_agree() -> None:
+    w.launch(lw.worker_auto_codec, 2, timeout=180)
