@@ -366,3 +366,47 @@ if __name__ == "__main__":  # the measurement behind the README's numbers and th
     optims = tuple(os.environ.get("OPTIMS", "sgd,adamw").split(","))
     w.launch(worker_digits, int(os.environ.get("WORLD", "2")), target, int(os.environ.get("EPOCHS", "12")), seeds, which, optims, timeout=3000)
     print(Path(target).read_text())
+
+
+def worker_live_variance(rank: int, world: int) -> None:
+    """``adam_variance="live"`` (the default): after the warm-up each shard's ``exp_avg_sq`` moves
+    with its owner's own local gradient, ``v = b2*v + (1-b2)*g_own**2`` (checked against the
+    gradient of an unsharded copy on this rank's batch); ``"frozen"`` leaves it as the warm-up did."""
+    from torch.distributed.tensor import DTensor
+
+    for variance in ("live", "frozen"):
+        model = make_fsdp()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99))
+        state = commpress.fsdp.register(model, "topk", optimizer=opt, ratio=0.05, warmup_steps=2,
+                                        warmup_codec="dense", param_codec="none", adam_variance=variance)
+        for step in range(3):  # warm-up, then the first compressed step (the mode starts)
+            _step(model, opt, rank, step)
+        assert_all_ranks(state.adam is not None and state.adam.active, f"{variance}: the Adam mode did not start")
+        params = dict(model.named_parameters())
+        compressed = [n for n, p in params.items() if id(p) in state.adam.compressed]
+        before = {n: opt.state[params[n]]["exp_avg_sq"].to_local().clone() for n in compressed}
+        plain = make_fsdp_plain_like(model)
+        x, y = batch(rank, 3)
+        F.cross_entropy(plain(x), y).backward()
+        _step(model, opt, rank, 3)
+        worst = 0.0
+        for n in compressed:
+            v = opt.state[params[n]]["exp_avg_sq"]
+            assert isinstance(v, DTensor)
+            local = v.to_local()
+            rows = -(-params[n].shape[0] // world)
+            g = dict(plain.named_parameters())[n].grad[rank * rows : rank * rows + local.shape[0]]
+            want = before[n] * 0.99 + 0.01 * g * g if variance == "live" else before[n]
+            worst = max(worst, float((local - want).abs().max() / want.abs().max().clamp_min(1e-30)))
+        assert_all_ranks(compressed and worst < 1e-5, f"{variance}: exp_avg_sq off by {worst} (relative)")
+
+
+def make_fsdp_plain_like(model: nn.Module) -> nn.Module:
+    """An unsharded Net holding ``model``'s current parameters (a collective: every rank)."""
+    from ddp_workers import Net
+
+    plain = Net()
+    with torch.no_grad():
+        for (_, q), (_, p) in zip(plain.named_parameters(), model.named_parameters()):
+            q.copy_(p.full_tensor())  # type: ignore[operator]
+    return plain

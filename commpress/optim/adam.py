@@ -71,6 +71,9 @@ class FrozenVarianceAdam:
         self.freeze_step = freeze_step
         self.windows = dict(windows or {})
         self.active = False
+        #: the adapter keeps updating ``v`` after the warm-up (FSDP's ``adam_variance="live"``):
+        #: bias-correct it at the current step instead of the step it froze at
+        self.live_variance = False
         self._hidden: dict[torch.Tensor, torch.Tensor] = {}
         self._scratch: dict[torch.Tensor, torch.Tensor] = {}
         self._denominators: dict[torch.Tensor, tuple[torch.Tensor, tuple[Any, ...], torch.Tensor]] = {}
@@ -128,7 +131,7 @@ class FrozenVarianceAdam:
                     update = self._scratch.get(p)
                     if update is None:
                         update = self._scratch[p] = torch.empty_like(st["exp_avg_sq"])
-                    torch.div(st["exp_avg"], self._denominator(p, st["exp_avg_sq"], b2, eps), out=update)
+                    torch.div(st["exp_avg"], self._denominator(p, st["exp_avg_sq"], b2, eps, int(step)), out=update)
                     update.div_(1.0 - b1**step)
                     # Adam's own update never exceeds (1-b1)/sqrt(1-b2) per coordinate; a compressed
                     # momentum can (sign gives +-scale where v froze near 0): hold it to Adam's bound
@@ -140,17 +143,21 @@ class FrozenVarianceAdam:
                 self._hidden[p] = p.grad
                 p.grad = None
 
-    def _denominator(self, p: torch.Tensor, v: torch.Tensor, b2: float, eps: float) -> torch.Tensor:
+    def _denominator(self, p: torch.Tensor, v: torch.Tensor, b2: float, eps: float, step: int) -> torch.Tensor:
         """Adam's ``sqrt(v / (1 - b2**t_freeze)) + eps``, computed once while ``v`` stays frozen.
+
+        With :attr:`live_variance` the bias correction is the current step's, ``1 - b2**step``
+        (``v`` then changes every step, so the cache recomputes every step).
 
         Cached per parameter with ``v`` itself and its version counter, so a
         ``load_state_dict`` (a new tensor) or any in-place change of ``v`` recomputes it;
         saves two passes over the parameter per step for one more parameter-sized buffer.
         """
-        key = (v._version, self.freeze_step, b2, eps)
+        t = step if self.live_variance else self.freeze_step
+        key = (v._version, t, b2, eps)
         cached = self._denominators.get(p)
         if cached is None or cached[0] is not v or cached[1] != key:
-            denom = torch.sqrt(v).div_(math.sqrt(1.0 - b2**self.freeze_step)).add_(eps)
+            denom = torch.sqrt(v).div_(math.sqrt(1.0 - b2**t)).add_(eps)
             cached = self._denominators[p] = (v, key, denom)
         return cached[2]
 

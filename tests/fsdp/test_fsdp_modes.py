@@ -83,6 +83,10 @@ def test_momentum_and_adam_warmup_equal_plain_fsdp() -> None:
     w.launch(mw.worker_equivalence, 2, timeout=240)
 
 
+def test_adam_variance_live_follows_the_owners_gradient() -> None:
+    w.launch(mw.worker_live_variance, 2, timeout=240)
+
+
 def test_optimizer_discovered_at_its_first_step() -> None:
     w.launch(mw.worker_discovery, 2, timeout=240)
 
