@@ -123,6 +123,13 @@ def check_link(value: Any, what: str = "auto_link") -> Link | None:
     return value
 
 
+def check_calibration_numel(value: Any, what: str = "auto_calibration_numel") -> int:
+    """``value`` if it is an int in ``[1, 2**26]`` (elements a codec is timed on), else a :class:`CodecError`."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1 << 26:
+        raise CodecError(f"{what} must be an int in [1, 2**26], got {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class DeviceCost:
     """Seconds per element on one device (see the module docstring).

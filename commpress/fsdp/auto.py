@@ -65,6 +65,7 @@ from ..comm.costmodel import (
     best,
     calibrate_codecs,
     calibrate_link,
+    check_calibration_numel,
     check_link,
     path_overhead,
     predict_all_gather,
@@ -139,10 +140,7 @@ class FSDPAuto:
 
     def __init__(self, *, link: Link | None = None, calibration_numel: int = CALIBRATION_NUMEL) -> None:
         self._given = check_link(link)
-        if isinstance(calibration_numel, bool) or not isinstance(calibration_numel, int) or not (
-                1 <= calibration_numel <= 1 << 26):
-            raise CodecError(f"auto_calibration_numel must be an int in [1, 2**26], got {calibration_numel!r}")
-        self.calibration_numel = calibration_numel
+        self.calibration_numel = check_calibration_numel(calibration_numel)
         self.link: Link | None = link
         self.costs: dict[str, DeviceCost] | None = None
         self.choices: dict[str, ModuleChoice] = {}

@@ -725,8 +725,7 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
                 continue
             local = (v.to_local() if hasattr(v, "to_local") else v).view(-1)
             g = own[p.offset : p.offset + local.numel()]
-            b2 = float(next(grp["betas"][1] for grp in self.adam.optimizer.param_groups
-                            if any(q is param for q in grp["params"])))
+            b2 = self.adam.beta2[id(param)]
             local.mul_(b2).addcmul_(g, g, value=(1.0 - b2) * scale * scale)
 
     def _momentum_after(self, plan: ModulePlan, output: torch.Tensor, compressing: bool) -> None:

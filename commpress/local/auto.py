@@ -49,6 +49,7 @@ from ..comm.costmodel import (
     Link,
     calibrate_codecs,
     calibrate_link,
+    check_calibration_numel,
     check_link,
     max_over_ranks,
     predict,
@@ -75,10 +76,7 @@ class OuterAuto:
 
     def __init__(self, *, link: Link | None = None, calibration_numel: int = CALIBRATION_NUMEL) -> None:
         self.forced_link = check_link(link)
-        if isinstance(calibration_numel, bool) or not isinstance(calibration_numel, int) or not (
-                1 <= calibration_numel <= 1 << 26):
-            raise ConfigurationError(f"auto_calibration_numel must be an int in [1, 2**26], got {calibration_numel!r}")
-        self.calibration_numel = calibration_numel
+        self.calibration_numel = check_calibration_numel(calibration_numel)
         self.link: Link | None = None
         self.costs: dict[str, DeviceCost] | None = None
         self.failed = ""

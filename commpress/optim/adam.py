@@ -74,6 +74,9 @@ class FrozenVarianceAdam:
         #: the adapter keeps updating ``v`` after the warm-up (FSDP's ``adam_variance="live"``):
         #: bias-correct it at the current step instead of the step it froze at
         self.live_variance = False
+        #: ``id(param) -> b2`` of the compressed parameters (the adapter's live-variance update reads it)
+        self.beta2 = {id(p): float(g["betas"][1]) for g in optimizer.param_groups for p in g["params"]
+                      if id(p) in self.compressed}
         self._hidden: dict[torch.Tensor, torch.Tensor] = {}
         self._scratch: dict[torch.Tensor, torch.Tensor] = {}
         self._denominators: dict[torch.Tensor, tuple[torch.Tensor, tuple[Any, ...], torch.Tensor]] = {}
