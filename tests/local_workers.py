@@ -111,11 +111,16 @@ def worker_resume_load(rank: int, world: int, out: str, cases: list[ResumeCase])
 
 
 def _resume_save(rank: int, out: str, codec: str, opts: dict[str, Any], split: int, total: int) -> None:
+    """``opts["flush"]``: both runs call ``flush()`` after ``split`` steps (merging a sync in flight early)."""
     Path(out).mkdir(exist_ok=True)
+    opts = dict(opts)
+    flush = opts.pop("flush", False)
     model = make_net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with _diloco(model, opt, codec, opts):
+    with _diloco(model, opt, codec, opts) as diloco:
         for step in range(total):
+            if flush and step == split:
+                diloco.flush()
             inner_step(model, opt, rank, step)
     Path(out, f"full{rank}").write_text(str(digest(model)))
     model = make_net()
@@ -123,11 +128,15 @@ def _resume_save(rank: int, out: str, codec: str, opts: dict[str, Any], split: i
     with _diloco(model, opt, codec, opts) as diloco:
         for step in range(split):
             inner_step(model, opt, rank, step)
+    if flush:
+        diloco.flush()
+        assert diloco.state_dict()["flushed"] is not None, "the case must flush a sync that is still in flight"
     diloco.save(str(Path(out, f"diloco{rank}")))
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, Path(out, f"user{rank}"))
 
 
 def _resume_load(rank: int, out: str, codec: str, opts: dict[str, Any], split: int, total: int) -> None:
+    opts = {k: v for k, v in opts.items() if k != "flush"}
     model = make_net(seed=123)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     diloco = _diloco(model, opt, codec, opts)
@@ -169,6 +178,13 @@ def _bad_states(state: dict[str, Any]) -> list[tuple[dict[str, Any], str]]:
         short = copy.deepcopy(state)
         short["pending"]["delta"] = short["pending"]["delta"][1:]
         out.append((short, "pending.delta has"))
+    if state.get("flushed") is not None:  # a sync merged early by flush(): the checkpoint says which
+        unflushed = copy.deepcopy(state)
+        unflushed["flushed"] = None
+        out.append((unflushed, "pending: a checkpoint at inner step"))
+        other = copy.deepcopy(state)
+        other["flushed"] += 1
+        out.append((other, "flushed: at inner step"))
     missing = copy.deepcopy(state)
     del missing["outer_optimizer"]
     out.append((missing, "missing"))

@@ -187,6 +187,7 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
         self._delta = torch.empty(self.numel, dtype=self.dtype, device=self.device)
         self.skipped = 0
         self._pending: _Pending | None = None  # the fragment sync in flight (at most one: overlap <= H/fragments)
+        self._flushed: int | None = None  # the sync flush() merged before its due step (a checkpoint then holds none)
         self.sync_wait_s = 0.0  # seconds the inner loop blocked waiting for syncs
         self.sync_transfer_s = 0.0  # launch-to-completion seconds of the syncs' collectives
         self.peak_bytes_in_flight = 0.0
@@ -288,6 +289,7 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
         if p is not None:
             with torch.no_grad(), self.faults.guarded(self.where(p.sync, self.step)):
                 self._merge(p)
+            self._flushed = p.sync if self.step < p.launched + self.overlap else None
 
     def finish(self) -> None:
         """:meth:`flush`, then load the global copy into the model: every rank ends with the same parameters.
@@ -377,7 +379,7 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
             "format": STATE_FORMAT, "config": self.config(), "step": self.step, "syncs": self.syncs,
             "skipped": self.skipped, "global": self._global.detach().clone(),
             "outer_optimizer": self.outer_optimizer.state_dict(), "feedback": self.outer.state_dict(),
-            "stats": self.outer.counters.as_dict(), "pending": pending,
+            "stats": self.outer.counters.as_dict(), "pending": pending, "flushed": self._flushed_now(),
             "timing": {"sync_wait_s": self.sync_wait_s, "sync_transfer_s": self.sync_transfer_s,
                        "peak_bytes_in_flight": self.peak_bytes_in_flight},
         }
@@ -418,7 +420,8 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
         if state["syncs"] != state["step"] // self.interval or state["skipped"] > state["syncs"]:
             raise ValueError(f"step {state['step']}, syncs {state['syncs']} and skipped {state['skipped']} do not fit "
                              f"sync_every={self.sync_every}, fragments={self.fragments}")
-        pending = self._check_pending(state["pending"], state["step"])
+        flushed = state.get("flushed")  # absent in checkpoints written before 2026-12-04: none flushed
+        pending = self._check_pending(state["pending"], state["step"], flushed)
         timing = state["timing"]
         if not isinstance(timing, Mapping) or not all(
                 isinstance(timing.get(k, 0.0), (int, float)) and 0 <= timing.get(k, 0.0) < float("inf")
@@ -448,7 +451,7 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
         self.outer.load_state_dict(state["feedback"])
         self.outer.counters.load(state["stats"])
         self.step, self.syncs, self.skipped = state["step"], state["syncs"], state["skipped"]
-        self._pending = pending
+        self._pending, self._flushed = pending, flushed
         if pending is not None:
             a, b = self.fragment_range(pending.fragment)[2:]
             self._delta[a:b].copy_(state["pending"]["delta"])
@@ -456,10 +459,26 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
         self.sync_transfer_s = float(timing.get("sync_transfer_s", 0.0))
         self.peak_bytes_in_flight = float(timing.get("peak_bytes_in_flight", 0.0))
 
-    def _check_pending(self, pending: Any, step: int) -> _Pending | None:
-        """The sync in flight a checkpoint at ``step`` must hold (None when none), checked against ``pending``."""
+    def _flushed_now(self) -> int | None:
+        """The sync :meth:`flush` merged early, while it would still be in flight at this step (else None)."""
+        last = (self.step // self.interval) * self.interval
+        due = self.overlap > 0 and last >= self.interval and self.step - last < self.overlap
+        return self._flushed if due and self._flushed == last // self.interval - 1 else None
+
+    def _check_pending(self, pending: Any, step: int, flushed: Any = None) -> _Pending | None:
+        """The sync in flight a checkpoint at ``step`` must hold (None when none), checked against ``pending``.
+
+        ``flushed``: the sync :meth:`flush` merged before its due step (then the checkpoint holds none).
+        """
         last = (step // self.interval) * self.interval  # the last launch
         due = self.overlap > 0 and last >= self.interval and step - last < self.overlap
+        sync = last // self.interval - 1
+        if flushed is not None:
+            if not due or not isinstance(flushed, int) or isinstance(flushed, bool) or flushed != sync or pending is not None:
+                raise ValueError(f"flushed: at inner step {step} (overlap={self.overlap}) only the sync launched at step "
+                                 f"{last} ({sync}) can have been flushed early, with no pending one; got flushed="
+                                 f"{flushed!r:.40} and {'a' if pending is not None else 'no'} pending sync")
+            return None
         if pending is None:
             if due:
                 raise ValueError(f"pending: a checkpoint at inner step {step} must hold the sync launched at step "
@@ -470,7 +489,6 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
                              "but the checkpoint holds one")
         if not isinstance(pending, Mapping) or set(pending) != {"fragment", "launched", "sync", "finite", "delta"}:
             raise ValueError(f"pending must be a mapping of fragment, launched, sync, finite, delta; got {pending!r:.80}")
-        sync = last // self.interval - 1
         expect = {"fragment": sync % self.fragments, "launched": last, "sync": sync}
         for key, value in expect.items():
             if pending[key] != value or isinstance(pending[key], bool):

@@ -160,7 +160,10 @@ class FrozenVarianceAdam:
         key = (v._version, t, b2, eps)
         cached = self._denominators.get(p)
         if cached is None or cached[0] is not v or cached[1] != key:
-            denom = torch.sqrt(v).div_(math.sqrt(1.0 - b2**t)).add_(eps)
+            # A live variance recomputes every step: reuse the buffer (same shape) instead of allocating.
+            reuse = cached is not None and cached[2].shape == v.shape and cached[2].dtype == v.dtype
+            denom = torch.sqrt(v, out=cached[2]) if reuse else torch.sqrt(v)
+            denom.div_(math.sqrt(1.0 - b2**t)).add_(eps)
             cached = self._denominators[p] = (v, key, denom)
         return cached[2]
 
