@@ -40,8 +40,9 @@ def worker_equivalence(rank: int, world: int) -> None:
     """Nothing dropped (top-k ratio 1): the reduce-scatter's SGD momentum is SGD momentum (1e-5);
     AdamW's dense warm-up steps are FSDP + AdamW exactly; the group settings move as on DDP.
     Gradient-only (``param_codec="none"``): the references are plain FSDP's exact all-gathers."""
-    every = {"ratio": 1.0, "min_numel": 0, "dense_1d": False}  # every parameter compressed: local velocities
-    mixed = {"ratio": 1.0}  # 1-D / small parameters dense: velocities on the shard too
+    # float32 storage: quantised velocities (residual_dtype="auto", the default) round, so not SGD to 1e-5
+    every = {"ratio": 1.0, "min_numel": 0, "dense_1d": False, "residual_dtype": torch.float32}  # local velocities
+    mixed = {"ratio": 1.0, "residual_dtype": torch.float32}  # 1-D / small parameters dense: velocities on the shard too
     for kw, opts in (({"momentum": 0.9}, every), ({"momentum": 0.9}, mixed), ({"momentum": 0.9, "nesterov": True}, mixed),
                      ({"momentum": 0.8, "dampening": 0.5}, every)):
         ref, model = make_fsdp(), make_fsdp()
@@ -88,7 +89,7 @@ def worker_discovery(rank: int, world: int) -> None:
     gets the compressed-momentum mode; ``optimizer=None`` and a subset optimizer are left alone; a
     checkpoint holding velocities needs ``optimizer=`` to resume (clear error). Gradient-only
     (``param_codec="none"``) where the reference is plain FSDP + SGD momentum."""
-    every = {"ratio": 1.0, "min_numel": 0, "dense_1d": False, "param_codec": "none"}
+    every = {"ratio": 1.0, "min_numel": 0, "dense_1d": False, "param_codec": "none", "residual_dtype": torch.float32}
     ref, model = make_fsdp(), make_fsdp()
     state = commpress.fsdp.register(model, "topk", **every)
     ref_opt, opt = _sgd(ref.parameters(), momentum=0.9), _sgd(model.parameters(), momentum=0.9)
@@ -153,7 +154,8 @@ def worker_memory(rank: int, world: int, out: str) -> None:
     for label, codec, opts, make_opt in (
         ("randomk1%+sgd/auto", "randomk", {"ratio": 0.01, "scaled": False, "warmup_steps": 0, **auto}, _sgd_m),
         ("sign/auto", "sign", auto, None),
-        ("topk1%+sgd/float32", "topk", {"ratio": 0.01}, _sgd_m),
+        ("topk1%+sgd/float32", "topk", {"ratio": 0.01, "residual_dtype": torch.float32}, _sgd_m),
+        ("topk1%+sgd/default", "topk", {"ratio": 0.01}, _sgd_m),  # residual_dtype="auto" is the default
         ("topk1%+sgd/auto", "topk", {"ratio": 0.01, **auto}, _sgd_m),
         ("sign+sgd/auto", "sign", auto, _sgd_m),
         ("topk1%+adamw/auto", "topk", {"ratio": 0.01, **adam}, _adamw),
@@ -169,13 +171,13 @@ def worker_memory(rank: int, world: int, out: str) -> None:
         s = state.stats()
         local = "+" in label and "randomk" not in label  # top-k / sign with an optimizer: local velocities
         if local:
-            want = rstore.auto_kinds(world, True) if "auto" in label else ("float32", "float32")
+            want = rstore.auto_kinds(world, True) if "float32" not in label else ("float32", "float32")
             assert_all_ranks((state.residual_kind, state.velocity_kind) == want and s["velocity_bytes"] > 0,
                              f"{label}: kinds {state.residual_kind}/{state.velocity_kind}, want {want}: {s}")
         assert_all_ranks(bool(torch.isfinite(full_params(model)).all()), f"{label}: non-finite")
         assert_all_ranks(s["residual_bytes"] > 0 and s["compression_state_bytes"] ==
                          s["residual_bytes"] + s["velocity_bytes"], f"{label}: {s}")
-        if "auto" in label:
+        if "float32" not in label:  # "auto", asked for or by default
             assert_all_ranks(s["compression_state_bytes"] <= s["shard_bytes"],
                              f"{label}: {s['compression_state_bytes']} > shard {s['shard_bytes']} at {world} ranks")
         else:  # float32 residuals beyond 2 ranks, and top-k's float32 local velocity at any

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from torch.distributed.fsdp import fully_shard
 
 import commpress
 import commpress.fsdp
+import commpress.fsdp.residuals as rstore
 from commpress.errors import ConfigurationError
 
 from ddp_workers import Net, assert_all_ranks, batch
@@ -29,7 +31,8 @@ MATRIX_CASES: list[tuple[str, dict[str, Any]]] = [
     ("none", {}),
     ("fp16", {}),
     ("bf16", {}),
-    ("topk", {"ratio": 0.01}),
+    ("topk", {"ratio": 0.01}),  # residual_dtype="auto" (the default): int8 at 2 ranks, int4 at 4
+    ("topk", {"ratio": 0.01, "residual_dtype": torch.float32}),
     ("topk", {"ratio": 0.01, "residual_dtype": torch.bfloat16}),
     ("randomk", {"ratio": 0.05, "warmup_steps": 0}),  # value-blind: 50 dense warm-up steps by default, as DDP
     ("randomk", {"ratio": 0.05, "scaled": True}),
@@ -109,12 +112,17 @@ def worker_matrix(rank: int, world: int, steps: int, outdir: str) -> None:
 
 
 def _expected_residual_bytes(state: commpress.fsdp.FSDPCompressionState) -> int:
-    """(n-1) chunks of every compressed parameter, in the residual dtype; 0 without feedback."""
+    """(n-1) chunks of every compressed parameter, in the residual kind (block scales included); 0 without feedback."""
     if not state.uses_feedback:
         return 0
-    size = torch.empty(0, dtype=state.residual_dtype).element_size()
-    chunks = sum(p.chunk_numel for m in state.modules for p in m.params if p.compressed)
-    return (state.world_size - 1) * chunks * size
+    kind = state.residual_kind  # residual_dtype="auto" (the default) resolved at this world size
+    sizes = {"codes": torch.empty(0, dtype=rstore.CODE_DTYPES[kind]).element_size(), "scales": 4}
+    per_chunk = sum(
+        math.prod(shape) * sizes[what]
+        for m in state.modules for p in m.params if p.compressed
+        for what, shape in rstore.stored_shapes(kind, p.chunk_numel).items()
+    )
+    return (state.world_size - 1) * per_chunk
 
 
 class ScalarRecorder:
@@ -194,22 +202,32 @@ def _implausible_residuals_refused(state: commpress.fsdp.FSDPCompressionState) -
         return
     key, value = next(iter(good["residuals"].items()))
     wrong_dtype = torch.float64 if value.dtype != torch.float64 else torch.float32
-    for bad, expect in ((value.reshape(1, -1), "must be a tensor of shape"), (value.to(wrong_dtype), "has dtype"),
-                        (torch.full_like(value, float("nan")), "NaN or Inf"), (torch.full_like(value, 1e30), "1e+30")):
-        hostile = {**good, "residuals": {**good["residuals"], key: bad}}
+    cases: list[tuple[str, torch.Tensor, str]] = [("residuals", value.reshape(1, -1), "must be a tensor of shape"),
+                                                  ("residuals", value.to(wrong_dtype), "has dtype")]
+    if value.is_floating_point():  # float32 / bfloat16 residuals: the values themselves
+        cases += [("residuals", torch.full_like(value, float("nan")), "NaN or Inf"),
+                  ("residuals", torch.full_like(value, 1e30), "1e+30")]
+    else:  # int8 / int4 codes (residual_dtype="auto", the default): their float32 block scales carry the values
+        scale = good["residual_scales"][key]
+        cases += [("residual_scales", torch.full_like(scale, float("nan")), "NaN or Inf"),
+                  ("residual_scales", torch.full_like(scale, 1e30), "1e+30"), ("residual_scales", scale[1:], "scales must")]
+    for entry, bad, expect in cases:
+        hostile = {**good, entry: {**good[entry], key: bad}}
         try:
             state.load_state_dict(hostile)
         except ValueError as exc:
             assert_all_ranks(expect in str(exc) and repr(key) in str(exc), f"unclear error: {exc}")
         else:
             assert_all_ranks(False, f"an implausible residual ({expect}) was loaded")
-    after = state.residuals()
-    assert_all_ranks(all(torch.equal(after[k], v) for k, v in good["residuals"].items()), "a refused load changed state")
+    after = state.state_dict()
+    assert_all_ranks(all(torch.equal(after[entry][k], v) for entry in ("residuals", "residual_scales")
+                         for k, v in (good.get(entry) or {}).items()), "a refused load changed state")
 
 
 def worker_checkpoints(rank: int, world: int) -> None:
     """:func:`worker_checkpoint` for fused (sign), sparse (top-k, bf16 residuals) and unbiased codecs."""
-    worker_checkpoint(rank, world, "sign", {"block_size": 256})
+    worker_checkpoint(rank, world, "sign", {"block_size": 256})  # residual_dtype="auto": int8 codes at 2 ranks
+    worker_checkpoint(rank, world, "sign", {"block_size": 256, "residual_dtype": torch.float32})
     worker_checkpoint(rank, world, "topk", {"ratio": 0.05, "residual_dtype": torch.bfloat16})
     worker_checkpoint(rank, world, "qsgd", {})
 

@@ -58,7 +58,10 @@ def _exercise(state: Any, fresh: Any, out: Path, rank: int) -> None:
     hostile = state.state_dict()
     residuals = hostile.get("residuals") or (hostile.get("feedback") or {}).get("residuals")
     key = next(iter(residuals))
-    residuals[key] = torch.full_like(residuals[key], 1e30)
+    if residuals[key].is_floating_point():
+        residuals[key] = torch.full_like(residuals[key], 1e30)
+    else:  # int8 / int4 codes (FSDP's residual_dtype="auto"): the float32 block scales carry the values
+        hostile["residual_scales"][key] = torch.full_like(hostile["residual_scales"][key], 1e30)
     files.save_state(str(out / f"hostile-rank{rank}.cpst"), hostile)
     with pytest.raises(ValueError, match="1e\\+30"):
         fresh.load(str(out / f"hostile-rank{rank}.cpst"))

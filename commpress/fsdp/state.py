@@ -18,7 +18,7 @@ saved. Measured choices (see ``docs/benchmarks.md``):
 
 - unbiased codecs (``qsgd``, scaled ``randomk``) keep no residuals by default: 0 bytes;
 - ``residual_dtype=torch.bfloat16`` halves the residuals (``2 (n-1)/n d`` bytes), ``"int8"`` /
-  ``"int4"`` store them blockwise quantized with stochastic rounding, and ``"auto"`` takes the
+  ``"int4"`` store them blockwise quantized with stochastic rounding, and ``"auto"`` (the default) takes the
   widest kind that keeps them within one gradient shard at the world size (float32 at 2 ranks,
   bfloat16 at 3, int8 at 4, int4 up to 8: :mod:`.residuals`); the float32 working copy exists
   only for one module during its reduce-scatter;
@@ -189,11 +189,13 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
             the biased codecs (topk, sign, unscaled randomk), off for the unbiased ones (qsgd,
             scaled randomk) and never for none/fp16/bf16.
         residual_dtype: how the compression state is stored between steps, residuals and the local
-            velocities of top-k / sign with SGD momentum or AdamW alike: ``torch.float32`` (default),
-            ``torch.bfloat16`` (half the memory), ``"int8"`` / ``"int4"`` (blockwise, stochastic
-            rounding) or ``"auto"``: the widest kinds that keep residuals and local velocities
-            together within one gradient shard at this world size (:func:`.residuals.auto_kinds`;
-            registered without ``optimizer=``, it budgets for the velocities an adopted one keeps).
+            velocities of top-k / sign with SGD momentum or AdamW alike: ``"auto"`` (default since
+            2026-12-04): the widest kinds that keep residuals and local velocities together within
+            one gradient shard at this world size (:func:`.residuals.auto_kinds`; registered
+            without ``optimizer=``, it budgets for the velocities an adopted one keeps; from 5
+            ranks none fits and it warns); ``torch.float32`` (the default before: 3.4 shards at 2
+            ranks for top-k or sign with AdamW), ``torch.bfloat16``, ``"int8"`` / ``"int4"``
+            (blockwise, stochastic rounding).
         optimizer: the user's optimizer; ``"auto"`` (default) adopts the one that steps every
             compressed parameter (found at the first reduce-scatter, else after its first step), where error feedback needs it
             (:mod:`commpress.optim.discovery`, as on DDP), ``None`` opts out. An SGD-like one's
@@ -279,7 +281,7 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
         codec: str | Codec,
         *,
         error_feedback: bool | None = None,
-        residual_dtype: torch.dtype | str = torch.float32,
+        residual_dtype: torch.dtype | str = "auto",
         optimizer: torch.optim.Optimizer | str | None = DISCOVER,
         warmup_steps: int | None = None,
         warmup_codec: str | Codec | None = None,
@@ -1057,7 +1059,9 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
         compared = (("error_feedback", self.error_feedback),) + (() if resized else (("residual_dtype", str(self.residual_dtype)),))
         for what, mine in compared:
             if state[what] != mine:
-                raise ValueError(f"{what} mismatch: checkpoint has {state[what]!r}, this state {mine!r} ({hint})")
+                fix = (f"register with residual_dtype={state[what]} to resume it (the default is 'auto' since "
+                       "2026-12-04, float32 before)" if what == "residual_dtype" else hint)
+                raise ValueError(f"{what} mismatch: checkpoint has {state[what]!r}, this state {mine!r} ({fix})")
         seed = opts.check_saved_seed(state)
         calls = dict(state["calls"])
         if sorted(calls) != sorted(m.name for m in self.modules) or not all(

@@ -49,9 +49,12 @@ def test_every_codec_trains_and_none_is_fsdp_bit_for_bit(world: int, tmp_path: P
     report = json.loads((tmp_path / f"fsdp_matrix_{world}.json").read_text())
     assert len(report) == len(fw.MATRIX_CASES)
     assert report["topk" + json.dumps({"ratio": "0.01"})]["compression_ratio"] > 10
-    f32 = report["topk" + json.dumps({"ratio": "0.01"})]["residual_bytes"]
+    default = report["topk" + json.dumps({"ratio": "0.01"})]["residual_bytes"]
+    f32 = report["topk" + json.dumps({"ratio": "0.01", "residual_dtype": "torch.float32"}, sort_keys=True)]["residual_bytes"]
     bf16 = report["topk" + json.dumps({"ratio": "0.01", "residual_dtype": "torch.bfloat16"}, sort_keys=True)]
     assert f32 > 0 and bf16["residual_bytes"] * 2 == f32
+    # the default ("auto": int8 at 2 ranks, int4 at 4, one float32 scale per 256) keeps them within one shard
+    assert 0 < default <= f32 / (world - 1) * 1.02 and default < f32 / 3, (default, f32)
 
 
 def test_one_rank_trains_as_plain_fsdp_with_the_optimizers_momentum() -> None:
