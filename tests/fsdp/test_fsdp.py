@@ -53,7 +53,7 @@ def test_every_codec_trains_and_none_is_fsdp_bit_for_bit(world: int, tmp_path: P
     f32 = report["topk" + json.dumps({"ratio": "0.01", "residual_dtype": "torch.float32"}, sort_keys=True)]["residual_bytes"]
     bf16 = report["topk" + json.dumps({"ratio": "0.01", "residual_dtype": "torch.bfloat16"}, sort_keys=True)]
     assert f32 > 0 and bf16["residual_bytes"] * 2 == f32
-    # the default ("auto": int8 at 2 ranks, int4 at 4, one float32 scale per 256) keeps them within one shard
+    # the default ("auto": int8 at 2 ranks, int4 at 4, one float32 scale per 64) keeps them within one shard
     assert 0 < default <= f32 / (world - 1) * 1.02 and default < f32 / 3, (default, f32)
 
 

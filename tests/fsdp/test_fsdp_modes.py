@@ -52,9 +52,25 @@ def test_auto_residual_kind_fits_one_shard_and_quantization_is_unbiased() -> Non
         assert float(((small.get("v") - e).abs() - small.scales["v"].repeat_interleave(64)[:1000]).max()) <= 1e-6
 
 
+def test_residuals_written_in_the_legacy_blocks_of_256_load_into_blocks_of_64() -> None:
+    """Checkpoints from before 2026-12-04 stored int8/int4 residuals with one scale per 256 elements."""
+    e = torch.randn(1000) * torch.logspace(-4, 0, 1000)
+    for kind, bits in (("int8", 8), ("int4", 4)):
+        codes, scales = rstore.quantize(e, bits, seed=1, block=rstore.LEGACY_BLOCK)
+        old = rstore.dequantize(codes, scales, bits, 1000, rstore.LEGACY_BLOCK)
+        store = rstore.ResidualStore(kind)
+        store.load({"w": codes}, {"w": scales}, {"w": 1000})
+        assert store.scales["w"].numel() == 1000 // rstore.BLOCK + 1 and rstore.BLOCK == 64
+        step = store.scales["w"].repeat_interleave(rstore.BLOCK)[:1000]
+        assert bool(((store.get("w") - old).abs() <= step + 1e-7).all())  # within one new rounding step
+        assert torch.equal(rstore.decoded(kind, {"w": codes}, {"w": scales}, rstore.BLOCK)["w"][:1000], old)
+        with pytest.raises(ValueError, match="scales must be a tensor of shape"):  # neither layout: refused
+            store.load({"w": codes}, {"w": scales[1:]}, {"w": 1000})
+
+
 def test_auto_kinds_keep_residuals_and_local_velocities_within_one_shard() -> None:
     """``(n-1) b_r + n b_v <= 4`` bytes per shard element: int8/int8 at 2 ranks, int8/int4 at 3, int4/int4 at 4;
-    from 5 ranks no pair fits (8 ranks by formula: 8.11 of 4, 2.03 shards) and the smallest is kept."""
+    from 5 ranks no pair fits (8 ranks by formula: 8.44 of 4, 2.11 shards) and the smallest is kept."""
     kinds = {n: rstore.auto_kinds(n, True) for n in (1, 2, 3, 4, 5, 8)}
     assert kinds == {1: ("float32", "float32"), 2: ("int8", "int8"), 3: ("int8", "int4"), 4: ("int4", "int4"),
                      5: ("int4", "int4"), 8: ("int4", "int4")}
@@ -62,9 +78,9 @@ def test_auto_kinds_keep_residuals_and_local_velocities_within_one_shard() -> No
         assert rstore.state_bytes(n, *kinds[n]) <= 4
         wider = rstore.PAIRS[: rstore.PAIRS.index(kinds[n])]
         assert all(rstore.state_bytes(n, *p) > 4 for p in wider)  # the first that fits
-    # velocities in blocks of 64 (rstore.VELOCITY_BLOCK), residuals of 256
-    assert rstore.state_bytes(2, "int8", "int8") == 3.140625 and rstore.state_bytes(4, "int4", "int4") == 3.796875
-    assert rstore.state_bytes(8, "int4", "int4") == 8.109375 and rstore.state_bytes(8, "int4", None) <= 4
+    # velocities and residuals in blocks of 64 (rstore.VELOCITY_BLOCK, rstore.BLOCK)
+    assert rstore.state_bytes(2, "int8", "int8") == 3.1875 and rstore.state_bytes(4, "int4", "int4") == 3.9375
+    assert rstore.state_bytes(8, "int4", "int4") == 8.4375 and rstore.state_bytes(8, "int4", None) <= 4
     assert [rstore.auto_kinds(n, False) for n in (2, 4, 8)] == [("float32", "float32"), ("int8", "float32"),
                                                                 ("int4", "float32")]  # residuals only: as before
 
