@@ -65,7 +65,7 @@ LEGACY_BLOCK = 256
 #: Elements per quantization block of a local velocity: int4 velocities in blocks of 256 cost top-k
 #: 1% + AdamW 14 points at 4 ranks (digits, seed 0: 81.4% vs float32's 95.5%; float32 residuals with
 #: int4 velocities 89.7%, int4 residuals with float32 velocities 95.2%); blocks of 64 94.2%, and
-#: 64 is the smallest power of two with which int4 + int4 still fits one shard at 4 ranks (3.80 of 4).
+#: 64 is the smallest power of two with which int4 + int4 still fits one shard at 4 ranks (3.94 of 4 with residuals in blocks of 64).
 VELOCITY_BLOCK = 64
 
 #: The kinds on offer, by name (``residual_dtype`` also takes ``torch.float32`` / ``torch.bfloat16``).
