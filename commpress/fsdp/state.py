@@ -193,7 +193,7 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
             2026-12-04): the widest kinds that keep residuals and local velocities together within
             one gradient shard at this world size (:func:`.residuals.auto_kinds`; registered
             without ``optimizer=``, it budgets for the velocities an adopted one keeps; from 5
-            ranks none fits and it warns); ``torch.float32`` (the default before: 3.4 shards at 2
+            ranks none fits and it warns); ``torch.float32`` (the default before: about 3 shards at 2
             ranks for top-k or sign with AdamW), ``torch.bfloat16``, ``"int8"`` / ``"int4"``
             (blockwise, stochastic rounding).
         optimizer: the user's optimizer; ``"auto"`` (default) adopts the one that steps every
