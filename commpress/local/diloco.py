@@ -459,32 +459,36 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
         self.sync_transfer_s = float(timing.get("sync_transfer_s", 0.0))
         self.peak_bytes_in_flight = float(timing.get("peak_bytes_in_flight", 0.0))
 
+    def _due_in_flight(self, step: int) -> int | None:
+        """The sync that is still in flight at inner ``step`` (launched in the last ``overlap`` steps), else None."""
+        last = (step // self.interval) * self.interval  # the last launch
+        due = self.overlap > 0 and last >= self.interval and step - last < self.overlap
+        return last // self.interval - 1 if due else None
+
     def _flushed_now(self) -> int | None:
         """The sync :meth:`flush` merged early, while it would still be in flight at this step (else None)."""
-        last = (self.step // self.interval) * self.interval
-        due = self.overlap > 0 and last >= self.interval and self.step - last < self.overlap
-        return self._flushed if due and self._flushed == last // self.interval - 1 else None
+        due = self._due_in_flight(self.step)
+        return self._flushed if due is not None and self._flushed == due else None
 
     def _check_pending(self, pending: Any, step: int, flushed: Any = None) -> _Pending | None:
         """The sync in flight a checkpoint at ``step`` must hold (None when none), checked against ``pending``.
 
         ``flushed``: the sync :meth:`flush` merged before its due step (then the checkpoint holds none).
         """
+        sync = self._due_in_flight(step)
         last = (step // self.interval) * self.interval  # the last launch
-        due = self.overlap > 0 and last >= self.interval and step - last < self.overlap
-        sync = last // self.interval - 1
         if flushed is not None:
-            if not due or not isinstance(flushed, int) or isinstance(flushed, bool) or flushed != sync or pending is not None:
+            if sync is None or not isinstance(flushed, int) or isinstance(flushed, bool) or flushed != sync or pending is not None:
                 raise ValueError(f"flushed: at inner step {step} (overlap={self.overlap}) only the sync launched at step "
                                  f"{last} ({sync}) can have been flushed early, with no pending one; got flushed="
                                  f"{flushed!r:.40} and {'a' if pending is not None else 'no'} pending sync")
             return None
         if pending is None:
-            if due:
+            if sync is not None:
                 raise ValueError(f"pending: a checkpoint at inner step {step} must hold the sync launched at step "
                                  f"{last} (overlap={self.overlap}), got none")
             return None
-        if not due:
+        if sync is None:
             raise ValueError(f"pending: no sync is in flight at inner step {step} (overlap={self.overlap}), "
                              "but the checkpoint holds one")
         if not isinstance(pending, Mapping) or set(pending) != {"fragment", "launched", "sync", "finite", "delta"}:
