@@ -162,8 +162,10 @@ class FrozenVarianceAdam:
         if cached is None or cached[0] is not v or cached[1] != key:
             # A live variance recomputes every step: reuse the buffer (same shape) instead of allocating.
             old = None if cached is None else cached[2]
-            reuse = old is not None and old.shape == v.shape and old.dtype == v.dtype
-            denom = torch.sqrt(v, out=old) if old is not None and reuse else torch.sqrt(v)
+            if old is not None and old.shape == v.shape and old.dtype == v.dtype:
+                denom = torch.sqrt(v, out=old)
+            else:
+                denom = torch.sqrt(v)
             denom.div_(math.sqrt(1.0 - b2**t)).add_(eps)
             cached = self._denominators[p] = (v, key, denom)
         return cached[2]
