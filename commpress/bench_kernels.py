@@ -54,6 +54,7 @@ SIZES = {"1M": 1 << 20, "16M": 1 << 24, "64M": 1 << 26}
 BUCKET = 512  # QSGD bucket size
 DENSITY = 0.01  # top-k / random-k
 INT_BLOCK = 256  # int8 / int4 scale block (the codecs' default)
+SR_BLOCK = 64  # the stochastic encode's block (the FSDP residual store's)
 #: Ops timed only on backends that have them (the others have every op of the table).
 OPTIONAL_OPS = schema.BLOCKINT_OPS
 
@@ -211,6 +212,9 @@ def _bench_backend(
              partial(blockint_ref.encode_reference, x, b, INT_BLOCK), per_elt),
             (f"int{b} decode", partial(c.blockint_decode, sc, fields, b, INT_BLOCK, dst, False),
              partial(blockint_ref.decode_reference, sc, fields, b, INT_BLOCK, out_ref), per_elt),
+            # the FSDP error-feedback store's rounding (commpress/fsdp/residuals.py: blocks of 64)
+            (f"int{b} encode, stochastic (blocks of {SR_BLOCK})", partial(c.blockint_encode_sr, x, b, SR_BLOCK, 5),
+             partial(blockint_ref.encode_stochastic_reference, x, b, SR_BLOCK, 5), 4 + b / 8 + 4 / SR_BLOCK),
         ]  # fmt: skip
     for name, native, reference, per_elt in cases:
         if only and not any(o in name for o in only):

@@ -39,6 +39,7 @@ _GOLDEN_INT = 0x9E3779B97F4A7C15
 # Stream ids keep the codecs' draws independent for one seed.
 STREAM_RANDOMK = 0x52414E444B000001  # "RANDK"
 STREAM_QSGD = 0x5153474400000002  # "QSGD"
+STREAM_BLOCKINT_SR = 0x424C4B5352000003  # "BLKSR": blockint's stochastic rounding
 
 
 def _mix64(z: np.ndarray) -> np.ndarray:
@@ -124,3 +125,31 @@ def below(seed: int, stream: int, bounds: torch.Tensor) -> torch.Tensor:
     b = bounds.cpu().numpy().astype(np.uint64)
     hi = random_u64(seed, stream, 0, b.size) >> np.uint64(32)
     return torch.from_numpy(((hi * b) >> np.uint64(32)).astype(np.int64))
+
+
+def _signed(c: int) -> int:
+    """``c`` in [0, 2**64) as the int64 with the same bits."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 lanes seen as uint64 (torch's ``>>`` is arithmetic)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def paired_u24_torch(seed: int, stream: int, count: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """:func:`paired_u24` computed on ``device`` with torch's int64 arithmetic, as an int64 tensor.
+
+    The same numbers bit for bit (tests/test_rng.py): int64 products wrap modulo 2**64 like
+    uint64 ones, and the shifts are masked to be logical. For fallback paths on devices where
+    a numpy round trip would cost more than the hashing (a CUDA tensor without the native op).
+    """
+    half = (count + 1) // 2
+    j = torch.arange(1, half + 1, dtype=torch.int64, device=device)
+    z = j * _signed(_GOLDEN_INT) + _signed(int(key(seed, stream)))
+    z = (z ^ _shr(z, 30)) * _signed(int(_M1))
+    z = (z ^ _shr(z, 27)) * _signed(int(_M2))
+    z = z ^ _shr(z, 31)
+    mask = 0xFFFFFF
+    return torch.stack((z & mask, _shr(z, 32) & mask), 1).reshape(-1)[:count]
+

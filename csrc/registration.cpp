@@ -68,6 +68,10 @@ TORCH_LIBRARY(commpress, m) {
   // scale whose q_max multiple overflows x's dtype, raises. Decode: (field - q_max) * scale.
   m.def("blockint_encode(Tensor x, int bits, int block_size) -> (Tensor scales, Tensor packed)");
   m.def("blockint_decode(Tensor scales, Tensor packed, int bits, int block_size, Tensor(a!) out, bool accumulate=True) -> ()");
+  // The same with stochastic rounding (the FSDP error-feedback store): field =
+  // floor((floor(clamp(x / scale, -q_max, q_max) * 2**24) + v) / 2**24) + q_max, v element i's
+  // 24-bit uniform of rng.paired_u24(seed, STREAM_BLOCKINT_SR); decoded by blockint_decode.
+  m.def("blockint_encode_sr(Tensor x, int bits, int block_size, int seed) -> (Tensor scales, Tensor packed)");
 
   // The instruction-set variant of the CPU kernels ("default", "avx2", "avx512"): returns the
   // active one after switching to `isa` (empty: no change). For tests and benchmarks.

@@ -1,6 +1,6 @@
 """Fast paths of the ``int8`` / ``int4`` codecs, bit for bit :mod:`commpress.spec.blockint`.
 
-:func:`encode` and :func:`decode` run the dispatcher ops ``commpress::blockint_encode`` /
+:func:`encode`, :func:`encode_stochastic` (stochastic rounding, ``blockint_encode_sr``) and :func:`decode` run the dispatcher ops ``commpress::blockint_encode`` /
 ``blockint_decode`` where the native extension has them for the tensor's device (the C++ CPU
 kernels of ``csrc/cpu/blockint.cpp``: one pass over the input, AVX-512 for float32; the CUDA
 kernels of ``csrc/cuda/blockint.cu`` in a CUDA build), and otherwise (no extension,
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import rng
 from ..errors import CodecError
 from ..spec.blockint import QMAX, check_decodable, n_blocks
 from ..spec.numerics import compute_dtype, require_finite, scale_dtype
@@ -68,6 +69,51 @@ def encode_torch(x: torch.Tensor, bits: int, block_size: int) -> tuple[torch.Ten
         torch.div(tail, safe[nfull], out=qt)
     q.round_().clamp_(-qmax, qmax).add_(qmax)
     fields = q.to(torch.uint8)
+    packed = fields if bits == 8 else ops.pack_bits(fields, bits)
+    return scales.to(scale_dtype(x.dtype)), packed
+
+
+def encode_stochastic(x: torch.Tensor, bits: int, block_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`encode` with stochastic rounding, identical to ``encode_stochastic_reference`` (seed in [0, 2**64))."""
+    if _native("blockint_encode_sr", x.device.type):
+        return ops.blockint_encode_sr(x, bits, block_size, seed)
+    return encode_stochastic_torch(x, bits, block_size, seed)
+
+
+def encode_stochastic_torch(x: torch.Tensor, bits: int, block_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`encode_stochastic` in vectorised torch (the uniforms on ``x``'s device, :func:`commpress.rng.paired_u24_torch`, or numpy's for the CPU).
+
+    About 30x slower than the native CPU kernel (16M float32: the hashing dominates); what a
+    CPU install without the extension, or a CUDA tensor with a CPU-only build, runs.
+    """
+    require_finite(x)
+    qmax = QMAX[bits]
+    ct = compute_dtype(x.dtype)
+    numel = x.numel()
+    xc = x if x.dtype == ct else x.to(ct)
+    full, tail = _rows(xc, block_size)
+    scales = torch.empty(n_blocks(numel, block_size), dtype=ct, device=x.device)
+    nfull = full.shape[0]
+    if nfull:
+        torch.amax(full.abs(), dim=1, out=scales[:nfull])
+    if tail is not None:
+        scales[nfull] = tail.abs().amax()
+    scales.div_(qmax)
+    if not check_decodable(scales, bits, x.dtype):
+        raise CodecError(f"values too close to {x.dtype}'s largest value: the decode of int{bits} would overflow")
+    safe = torch.where(scales > 0, scales, 1.0)
+    r = torch.empty(numel, dtype=ct, device=x.device)
+    rf, rt = _rows(r, block_size)
+    if nfull:
+        torch.div(full, safe[:nfull, None], out=rf)
+    if tail is not None and rt is not None:
+        torch.div(tail, safe[nfull], out=rt)
+    fixed = r.clamp_(-qmax, qmax).mul_(float(1 << 24)).floor_().to(torch.int64)
+    if x.device.type == "cpu":  # numpy's uint64 hashing is about 2x torch's int64 on the CPU
+        fixed += torch.from_numpy(rng.paired_u24(seed, rng.STREAM_BLOCKINT_SR, numel).astype("int64"))
+    else:
+        fixed += rng.paired_u24_torch(seed, rng.STREAM_BLOCKINT_SR, numel, x.device)
+    fields = fixed.bitwise_right_shift_(24).add_(qmax).to(torch.uint8)
     packed = fields if bits == 8 else ops.pack_bits(fields, bits)
     return scales.to(scale_dtype(x.dtype)), packed
 

@@ -248,6 +248,15 @@ def check_blockint_encode(a: schema.BlockintEncode) -> str:
     return a.x.device.type
 
 
+def check_blockint_encode_sr(a: schema.BlockintEncodeSr) -> str:
+    """``blockint_encode_sr``: :func:`check_blockint_encode`'s arguments and an int64 seed."""
+    op = "blockint_encode_sr"
+    _floats(op, "x", a.x)
+    _blockint(op, a.bits, a.block_size)
+    _seed(op, a.seed)
+    return a.x.device.type
+
+
 def check_blockint_decode(a: schema.BlockintDecode) -> str:
     """``blockint_decode``: one scale per block and ``bits`` bits per output."""
     op, out, bits = "blockint_decode", a.out, a.bits
@@ -328,6 +337,7 @@ CHECKS: dict[str, Callable[[Any], str]] = {
     "randomk_scatter_add": check_randomk_scatter_add,
     "blockint_encode": check_blockint_encode,
     "blockint_decode": check_blockint_decode,
+    "blockint_encode_sr": check_blockint_encode_sr,
 }
 
 

@@ -189,6 +189,10 @@ def _register_fakes() -> None:
         nb = checks.n_blocks(n, checks.effective_block(n, block_size))
         return x.new_empty(nb, dtype=accumulate_dtype(x.dtype)), x.new_empty(packed_nbytes(n, bits), dtype=torch.uint8)
 
+    @torch.library.register_fake("commpress::blockint_encode_sr")
+    def _blockint_encode_sr_fake(x: torch.Tensor, bits: int, block_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return _blockint_encode_fake(x, bits, block_size)
+
     def _writes_out_only(*args: Any) -> None:
         return None  # these ops only write into the ``out`` they are given
 
@@ -336,6 +340,12 @@ def randomk_scatter_add(values: torch.Tensor, seed: int, out: torch.Tensor) -> N
 def blockint_encode(x: torch.Tensor, bits: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(scales, packed)`` of the int8/int4 codecs for 1-D ``x``; see :func:`commpress.spec.blockint.encode_reference`."""
     scales, packed = call("blockint_encode", x, bits, block_size)
+    return scales, packed
+
+
+def blockint_encode_sr(x: torch.Tensor, bits: int, block_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`blockint_encode` with stochastic rounding; see :func:`commpress.spec.blockint.encode_stochastic_reference`."""
+    scales, packed = call("blockint_encode_sr", x, bits, block_size, _signed_seed(seed))
     return scales, packed
 
 

@@ -92,6 +92,13 @@ def blockint_encode(a: schema.BlockintEncode) -> tuple[torch.Tensor, torch.Tenso
     return blockint.encode_reference(a.x, a.bits, checks.effective_block(a.x.numel(), a.block_size))
 
 
+@implements(schema.BlockintEncodeSr)
+def blockint_encode_sr(a: schema.BlockintEncodeSr) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`commpress.spec.blockint.encode_stochastic_reference` (a block longer than x is one block)."""
+    block = checks.effective_block(a.x.numel(), a.block_size)
+    return blockint.encode_stochastic_reference(a.x, a.bits, block, _unsigned(a.seed))
+
+
 @implements(schema.BlockintDecode)
 def blockint_decode(a: schema.BlockintDecode) -> None:
     """:func:`commpress.spec.blockint.decode_reference`."""

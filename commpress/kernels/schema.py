@@ -123,6 +123,15 @@ class BlockintEncode(NamedTuple):
     block_size: int
 
 
+class BlockintEncodeSr(NamedTuple):
+    """``blockint_encode_sr(Tensor x, int bits, int block_size, int seed) -> (Tensor scales, Tensor packed)`` (seed: int64 bits)."""
+
+    x: torch.Tensor
+    bits: int
+    block_size: int
+    seed: int
+
+
 class BlockintDecode(NamedTuple):
     """``blockint_decode(Tensor scales, Tensor packed, int bits, int block_size, Tensor(a!) out, bool accumulate=True)``."""
 
@@ -148,6 +157,7 @@ SIGNATURES: dict[str, Callable[..., tuple[Any, ...]]] = {
     "randomk_scatter_add": RandomkScatterAdd,
     "blockint_encode": BlockintEncode,
     "blockint_decode": BlockintDecode,
+    "blockint_encode_sr": BlockintEncodeSr,
 }
 
 #: Every commpress kernel op.
@@ -155,7 +165,7 @@ OP_NAMES = tuple(SIGNATURES)
 
 #: The int8/int4 ops: native CPU and CUDA kernels and the reference only (no numba or CuPy
 #: kernels); without the extension :mod:`commpress.kernels.blockint` runs its torch path.
-BLOCKINT_OPS = ("blockint_encode", "blockint_decode")
+BLOCKINT_OPS = ("blockint_encode", "blockint_decode", "blockint_encode_sr")
 
 
 def implements(record: Callable[P, A]) -> Callable[[Callable[[A], R]], Callable[P, R]]:

@@ -27,6 +27,19 @@ in ``ct`` decodes exactly. Re-encoding a decoded float32/float64 tensor gives th
 (idempotence: ``q_max * s_b`` divided by ``q_max`` rounds back to ``s_b``); a float16/bfloat16
 decode is rounded off the grid, so there it need not.
 
+**Stochastic rounding** (:func:`encode_stochastic_reference`, the op ``blockint_encode_sr``; the
+FSDP error-feedback store keeps residuals and velocities in it): the same scales, and per element,
+in 24-bit fixed point like QSGD,
+
+    r_i     = clamp(x_i / s_b, -q_max, q_max)          in ct (the division as above; 0 when s_b = 0)
+    T_i     = floor(r_i * 2**24)                        (exact: a power-of-two product; |T_i| <= q_max 2**24)
+    field_i = floor((T_i + v_i) / 2**24) + q_max,  v_i = rng.paired_u24(seed, STREAM_BLOCKINT_SR, numel)[i]
+
+so ``field_i - q_max`` is ``floor(T_i / 2**24)`` plus one with probability ``(T_i mod 2**24) / 2**24``:
+``E[q_i] = T_i / 2**24``, within ``2**-24`` of ``r_i`` (unbiased up to that, where nearest
+rounding drops every ``|r_i| < 1/2`` for good), ``|q_i - r_i| < 1``, and the field lies in
+``[0, 2 q_max]`` with no clamp after the rounding. The decode is :func:`decode_reference`'s.
+
 NaN or Inf input raises :class:`~commpress.errors.NonFiniteError`; input so close to the
 dtype's largest value that ``q_max * s_b`` would not be finite in it raises :class:`CodecError`
 (the decode would overflow), which is also what the wire check refuses.
@@ -36,6 +49,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import rng
 from ..errors import CodecError
 from .bitpack import pack_bits_reference, packed_nbytes, unpack_bits_reference
 from .blocks import add_block_values
@@ -95,6 +109,27 @@ def encode_reference(x: torch.Tensor, bits: int, block_size: int) -> tuple[torch
     q = torch.round(rows / safe[:, None]).clamp_(-qmax, qmax)
     fields = (q + qmax).to(torch.uint8).reshape(-1)[:numel]
     return scales.to(scale_dtype(x.dtype)), pack_bits_reference(fields, bits)
+
+
+def encode_stochastic_reference(x: torch.Tensor, bits: int, block_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scales, packed)`` with stochastic rounding (the module docstring): what ``blockint_encode_sr`` matches bit for bit."""
+    if bits not in QMAX:
+        raise CodecError(f"bits must be one of {sorted(QMAX)}, got {bits!r}")
+    require_finite(x)
+    numel = x.numel()
+    ct = compute_dtype(x.dtype)
+    qmax = QMAX[bits]
+    nb = n_blocks(numel, block_size)
+    rows = torch.nn.functional.pad(x.to(ct), (0, nb * block_size - numel)).view(nb, block_size)
+    scales = rows.abs().amax(dim=1) / qmax if nb else rows.new_zeros(0)
+    if not check_decodable(scales, bits, x.dtype):
+        raise CodecError(f"values too close to {x.dtype}'s largest value: the decode of int{bits} would overflow")
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    r = (rows / safe[:, None]).clamp_(-qmax, qmax)
+    fixed = torch.floor(r * float(1 << 24)).reshape(-1)[:numel].to(torch.int64)
+    v = torch.from_numpy(rng.paired_u24(seed, rng.STREAM_BLOCKINT_SR, numel).astype("int64")).to(x.device)
+    fields = ((fixed + v) >> 24) + qmax  # arithmetic shift: floor((T + v) / 2**24) + q_max
+    return scales.to(scale_dtype(x.dtype)), pack_bits_reference(fields.to(torch.uint8), bits)
 
 
 def decode_reference(

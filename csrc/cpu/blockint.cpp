@@ -1,4 +1,5 @@
-// CPU kernels of commpress::blockint_encode and commpress::blockint_decode (schemas in
+// CPU kernels of commpress::blockint_encode (and its stochastic variant blockint_encode_sr) and
+// commpress::blockint_decode (schemas in
 // registration.cpp; specification: commpress/spec/blockint.py, the int8 / int4 codecs).
 //
 // Encode is one pass over x: the blocks are cut into cache-sized chunks, and each chunk's
@@ -19,6 +20,7 @@
 #include "../checks.h"
 #include "commpress/bitpack.h"
 #include "commpress/hd.h"
+#include "commpress/rng.h"
 #include "common.h"
 
 namespace commpress {
@@ -50,9 +52,10 @@ int64_t chunk_blocks(int64_t block) {
   return c + (c % 2);
 }
 
-std::tuple<at::Tensor, at::Tensor> blockint_encode_cpu(const at::Tensor& x, int64_t bits,
-                                                       int64_t block_size) {
-  static constexpr const char* op = "blockint_encode";
+// The deterministic encode (stochastic = false) or the stochastically rounded one, whose
+// uniforms come from the stream of `seed` (blockint_field_sr).
+std::tuple<at::Tensor, at::Tensor> encode_impl(const char* op, const at::Tensor& x, int64_t bits,
+                                               int64_t block_size, bool stochastic, int64_t seed) {
   check_vector(op, "x", x, c10::DeviceType::CPU);
   const DType dtype = float_code(op, "x", x);
   check_blockint_params(op, bits, block_size);
@@ -66,10 +69,11 @@ std::tuple<at::Tensor, at::Tensor> blockint_encode_cpu(const at::Tensor& x, int6
     return {scales, packed};
   }
   const int qmax = bits == 8 ? 127 : 7;
+  const uint64_t key = stochastic ? rng_key(static_cast<uint64_t>(seed), kStreamBlockIntSR) : 0;
   const cpu::BlockIntEncodeArgs args{x.const_data_ptr(), scales.mutable_data_ptr(),
-                                     packed.mutable_data_ptr<uint8_t>(), n, block, qmax};
-  const cpu::BlockIntEncodeFn fn =
-      cpu::kernels().blockint_encode[dtype][cpu::blockint_bits_index(bits)];
+                                     packed.mutable_data_ptr<uint8_t>(), n, block, qmax, key};
+  const auto& table = stochastic ? cpu::kernels().blockint_encode_sr : cpu::kernels().blockint_encode;
+  const cpu::BlockIntEncodeFn fn = table[dtype][cpu::blockint_bits_index(bits)];
   const int64_t per = chunk_blocks(block);
   const int64_t nchunks = n_blocks(nblocks, per);
   std::vector<double> tops(static_cast<size_t>(nchunks), 0.0);
@@ -89,6 +93,16 @@ std::tuple<at::Tensor, at::Tensor> blockint_encode_cpu(const at::Tensor& x, int6
               "'s largest value: the decode of int", bits,
               " would overflow (nothing was written)");
   return {scales, packed};
+}
+
+std::tuple<at::Tensor, at::Tensor> blockint_encode_cpu(const at::Tensor& x, int64_t bits,
+                                                       int64_t block_size) {
+  return encode_impl("blockint_encode", x, bits, block_size, false, 0);
+}
+
+std::tuple<at::Tensor, at::Tensor> blockint_encode_sr_cpu(const at::Tensor& x, int64_t bits,
+                                                          int64_t block_size, int64_t seed) {
+  return encode_impl("blockint_encode_sr", x, bits, block_size, true, seed);
 }
 
 void blockint_decode_cpu(const at::Tensor& scales, const at::Tensor& packed, int64_t bits,
@@ -111,6 +125,7 @@ void blockint_decode_cpu(const at::Tensor& scales, const at::Tensor& packed, int
 
 TORCH_LIBRARY_IMPL(commpress, CPU, m) {
   m.impl("blockint_encode", &blockint_encode_cpu);
+  m.impl("blockint_encode_sr", &blockint_encode_sr_cpu);
   m.impl("blockint_decode", &blockint_decode_cpu);
 }
 

@@ -143,6 +143,7 @@ struct BlockIntEncodeArgs {
   int64_t n;
   int64_t block;
   int qmax;
+  uint64_t key;  // the stochastic variant's random stream (rng_key(seed, kStreamBlockIntSR)); else unused
 };
 using BlockIntEncodeFn = bool (*)(const BlockIntEncodeArgs&, int64_t b0, int64_t b1, double* top);
 
@@ -173,6 +174,7 @@ struct Kernels {
   QsgdDecodeFn qsgd_decode[4][3];
   TopkCompactFn topk_compact[4];
   BlockIntEncodeFn blockint_encode[4][2];  // [dtype][bits index]
+  BlockIntEncodeFn blockint_encode_sr[4][2];  // stochastic rounding (blockint_field_sr)
   BlockIntDecodeFn blockint_decode[4][2];
 };
 

@@ -837,21 +837,44 @@ inline float blockint_amax_f32(const float* __restrict__ x, int64_t s, int64_t e
 
 // Fields of the float32 segment [s, s + 16m), s a multiple of 16, packed at their place;
 // returns where it stopped. The same operations as blockint_field on 16 lanes.
-template <int Bits>
-inline int64_t blockint_encode_f32(const float* __restrict__ x, float safe, int qmax,
+// Sr: stochastic rounding (blockint_field_sr), element i's uniform from draw i / 2 of `key`.
+template <int Bits, bool Sr>
+inline int64_t blockint_encode_f32(const float* __restrict__ x, float safe, int qmax, uint64_t key,
                                    uint8_t* __restrict__ packed, int64_t s, int64_t end) {
   const __m512 vs = _mm512_set1_ps(safe);
   const __m512 hi = _mm512_set1_ps(static_cast<float>(qmax));
   const __m512 lo = _mm512_set1_ps(-static_cast<float>(qmax));
+  __m512i z = _mm512_setzero_si512();
+  if constexpr (Sr) {
+    // Weyl states of the 8 draws of elements [s, s + 16): key + (s / 2 + 1 + l) * golden
+    alignas(64) uint64_t start[8];
+    for (int l = 0; l < 8; ++l) {
+      start[l] = key + static_cast<uint64_t>(s / 2 + 1 + l) * kGolden;
+    }
+    z = _mm512_load_si512(start);
+  }
+  const __m512i offset = _mm512_set1_epi32(qmax << 24);
   auto fields16 = [&](int64_t i) {
-    const __m512 q = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + i), vs),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 c = _mm512_min_ps(_mm512_max_ps(q, lo), hi);
-    return _mm512_cvtps_epi32(_mm512_add_ps(c, hi));  // an exact integer: no rounding
+    if constexpr (Sr) {
+      const __m512 r = _mm512_min_ps(_mm512_max_ps(_mm512_div_ps(_mm512_loadu_ps(x + i), vs), lo), hi);
+      // floor by the conversion's own rounding mode; r * 2**24 is exact
+      const __m512i fixed = _mm512_cvt_roundps_epi32(_mm512_mul_ps(r, _mm512_set1_ps(16777216.0f)),
+                                                     _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+      const __m512i v = u24_paired_x16(z, offset);  // v + q_max * 2**24
+      z = _mm512_add_epi64(z, _mm512_set1_epi64(static_cast<int64_t>(8 * kGolden)));
+      return _mm512_srli_epi32(_mm512_add_epi32(fixed, v), 24);
+    } else {
+      const __m512 q = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + i), vs),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m512 c = _mm512_min_ps(_mm512_max_ps(q, lo), hi);
+      return _mm512_cvtps_epi32(_mm512_add_ps(c, hi));  // an exact integer: no rounding
+    }
   };
   int64_t i = s;
   for (; i + 32 <= end; i += 32) {
-    store_fields32<Bits>(fields16(i), fields16(i + 16), packed + i / 8 * Bits);
+    const __m512i f0 = fields16(i);  // in order: each call advances the draws (Sr)
+    const __m512i f1 = fields16(i + 16);
+    store_fields32<Bits>(f0, f1, packed + i / 8 * Bits);
   }
   if (i + 16 <= end) {
     store_fields16<Bits>(fields16(i), packed + i / 8 * Bits);
@@ -904,15 +927,20 @@ COMMPRESS_HD CT<T> blockint_amax(const T* __restrict__ x, int64_t s, int64_t end
   return m;
 }
 
-template <class T>
-COMMPRESS_HD void blockint_elems(const T* __restrict__ x, CT<T> safe, int qmax,
+template <class T, bool Sr>
+COMMPRESS_HD void blockint_elems(const T* __restrict__ x, CT<T> safe, int qmax, uint64_t key,
                                  uint8_t* __restrict__ tile, int64_t s, int64_t end) {
   for (int64_t i = s; i < end; ++i) {
-    tile[i] = blockint_field<CT<T>>(Elem<T>::load(x[i]), safe, qmax);
+    if constexpr (Sr) {
+      tile[i] = blockint_field_sr<CT<T>>(Elem<T>::load(x[i]), safe, qmax,
+                                         rng_u24_paired(key, static_cast<uint64_t>(i)));
+    } else {
+      tile[i] = blockint_field<CT<T>>(Elem<T>::load(x[i]), safe, qmax);
+    }
   }
 }
 
-template <class T, int Bits>
+template <class T, int Bits, bool Sr>
 bool blockint_encode_blocks(const BlockIntEncodeArgs& a, int64_t b0, int64_t b1, double* top) {
   const T* __restrict__ x = static_cast<const T*>(a.x);
   CT<T>* __restrict__ scales = static_cast<CT<T>*>(a.scales);
@@ -949,9 +977,9 @@ bool blockint_encode_blocks(const BlockIntEncodeArgs& a, int64_t b0, int64_t b1,
     if (fast && i0 % 16 == 0) {
       for_segments(i0, i1, a.block, [&](int64_t s, int64_t end, int64_t b) {
         const float safe = scales[b] > 0.0f ? scales[b] : 1.0f;
-        const int64_t i = blockint_encode_f32<Bits>(x, safe, a.qmax, a.packed, s, end);
+        const int64_t i = blockint_encode_f32<Bits, Sr>(x, safe, a.qmax, a.key, a.packed, s, end);
         if (i < end) {  // the last < 16 elements of the tensor; i is a multiple of 16
-          blockint_elems<T>(x, safe, a.qmax, fields - i, i, end);
+          blockint_elems<T, Sr>(x, safe, a.qmax, a.key, fields - i, i, end);
           pack_tile<Bits>(fields, end - i, a.packed + i / 8 * Bits);
         }
       });
@@ -964,7 +992,7 @@ bool blockint_encode_blocks(const BlockIntEncodeArgs& a, int64_t b0, int64_t b1,
     const int64_t t1 = t0 + kTile < i1 ? t0 + kTile : i1;
     for_segments(t0, t1, a.block, [&](int64_t s, int64_t end, int64_t b) {
       const CT<T> safe = scales[b] > CT<T>(0) ? scales[b] : CT<T>(1);
-      blockint_elems<T>(x, safe, a.qmax, fields - t0, s, end);
+      blockint_elems<T, Sr>(x, safe, a.qmax, a.key, fields - t0, s, end);
     });
     // t0 is even but (odd blocks) not always a multiple of 8: the byte offset is t0 * Bits / 8
     pack_tile<Bits>(fields, t1 - t0, a.packed + t0 * Bits / 8);
@@ -1044,7 +1072,9 @@ constexpr SumFn sum_entry(bool has_e) {
   { &qsgd_decode_range<T, 2>, &qsgd_decode_range<T, 4>, &qsgd_decode_range<T, 8> }
 
 #define COMMPRESS_BLOCKINT_ENC(T) \
-  { &blockint_encode_blocks<T, 4>, &blockint_encode_blocks<T, 8> }
+  { &blockint_encode_blocks<T, 4, false>, &blockint_encode_blocks<T, 8, false> }
+#define COMMPRESS_BLOCKINT_ENC_SR(T) \
+  { &blockint_encode_blocks<T, 4, true>, &blockint_encode_blocks<T, 8, true> }
 #define COMMPRESS_BLOCKINT_DEC(T) \
   { &blockint_decode_range<T, 4>, &blockint_decode_range<T, 8> }
 
@@ -1068,6 +1098,8 @@ const Kernels table = {
     {&topk_compact<float>, &topk_compact<Half>, &topk_compact<BFloat16>, &topk_compact<double>},
     {COMMPRESS_BLOCKINT_ENC(float), COMMPRESS_BLOCKINT_ENC(Half),
      COMMPRESS_BLOCKINT_ENC(BFloat16), COMMPRESS_BLOCKINT_ENC(double)},
+    {COMMPRESS_BLOCKINT_ENC_SR(float), COMMPRESS_BLOCKINT_ENC_SR(Half),
+     COMMPRESS_BLOCKINT_ENC_SR(BFloat16), COMMPRESS_BLOCKINT_ENC_SR(double)},
     {COMMPRESS_BLOCKINT_DEC(float), COMMPRESS_BLOCKINT_DEC(Half),
      COMMPRESS_BLOCKINT_DEC(BFloat16), COMMPRESS_BLOCKINT_DEC(double)},
 };
@@ -1076,6 +1108,7 @@ const Kernels table = {
 #undef COMMPRESS_QSGD_ENC
 #undef COMMPRESS_QSGD_DEC
 #undef COMMPRESS_BLOCKINT_ENC
+#undef COMMPRESS_BLOCKINT_ENC_SR
 #undef COMMPRESS_BLOCKINT_DEC
 
 }  // namespace COMMPRESS_ISA_NS

@@ -147,6 +147,23 @@ COMMPRESS_HD uint8_t blockint_field(CT w, CT safe, int qmax) {
   return static_cast<uint8_t>(static_cast<int>(c) + qmax);
 }
 
+// Stochastic rounding (blockint_encode_sr, commpress/spec/blockint.py encode_stochastic_reference),
+// in 24-bit fixed point like QSGD: r = clamp(w / safe, -q_max, q_max), T = floor(r * 2**24) (the
+// product exact: a power of two), field = (T + v + q_max * 2**24) >> 24 with v the element's
+// 24-bit uniform (rng_u24_paired). |T| <= q_max * 2**24, so the field is in [0, 2 q_max] with no
+// clamp after the rounding, and E[field - q_max] = T / 2**24, within 2**-24 of r.
+template <class CT>
+COMMPRESS_HD uint8_t blockint_field_sr(CT w, CT safe, int qmax, uint32_t v) {
+  const CT hi = static_cast<CT>(qmax);
+  CT r = w / safe;
+  r = r < -hi ? -hi : (r > hi ? hi : r);
+  const CT y = r * static_cast<CT>(16777216);
+  const auto truncated = static_cast<int32_t>(y);
+  const int32_t fixed = truncated - (static_cast<CT>(truncated) > y ? 1 : 0);
+  return static_cast<uint8_t>(
+      (static_cast<uint32_t>(fixed) + v + (static_cast<uint32_t>(qmax) << 24)) >> 24);
+}
+
 // Decoded element of a field: (field - q_max) * s, the subtraction exact, the product rounded.
 template <class CT>
 COMMPRESS_HD CT blockint_value(uint32_t field, CT scale, int qmax) {

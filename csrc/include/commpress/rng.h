@@ -17,6 +17,7 @@ namespace commpress {
 constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
 constexpr uint64_t kStreamRandomK = 0x52414E444B000001ull;  // "RANDK"
 constexpr uint64_t kStreamQSGD = 0x5153474400000002ull;     // "QSGD"
+constexpr uint64_t kStreamBlockIntSR = 0x424C4B5352000003ull;  // "BLKSR": blockint_encode_sr
 
 COMMPRESS_HD uint64_t mix64(uint64_t z) {
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
