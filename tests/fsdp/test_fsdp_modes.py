@@ -16,6 +16,7 @@ import torch
 import commpress.fsdp
 from commpress.errors import CodecError
 from commpress.fsdp import residuals as rstore
+from commpress.kernels import ops
 
 import ddp_workers as w
 
@@ -50,6 +51,32 @@ def test_auto_residual_kind_fits_one_shard_and_quantization_is_unbiased() -> Non
         small.put("v", e, seed=5)
         assert small.scales["v"].numel() == 16 and small.nbytes() == {8: 1024, 4: 512}[bits] + 64
         assert float(((small.get("v") - e).abs() - small.scales["v"].repeat_interleave(64)[:1000]).max()) <= 1e-6
+
+
+def test_stored_codes_keep_their_layout_and_corrupt_ones_are_refused() -> None:
+    """Levels q as int8, or q + 8 two per byte (low nibble first), padded with q = 0 to whole blocks
+    (the layout checkpoints hold); the native kernel and the torch fallback store the same codes."""
+    e = torch.tensor([0.0, 1.0, -1.0, 0.5, 3.0, -3.0, 7.0])  # 7 elements: an odd int4 tail, 57 padded
+    for kind, bits in (("int8", 8), ("int4", 4)):
+        codes, scales = rstore.quantize(e, bits, seed=9)
+        with ops.use_backend("reference"):
+            assert torch.equal(codes, rstore.quantize(e, bits, seed=9)[0])
+        assert float(scales[0]) == float(torch.tensor(7.0) / {8: 127, 4: 7}[bits])  # float32
+        levels = codes if bits == 8 else torch.stack(((codes & 15).to(torch.int8) - 8, (codes >> 4).to(torch.int8) - 8), 1).reshape(-1)
+        assert levels.numel() == 64 and bool((levels[7:] == 0).all())  # the padding: level 0
+        assert bool(((levels[:7].float() - e / scales[0]).abs() < 1).all())  # the level below or above
+        if bits == 4:  # scale 1: the integers are exact, 0.5 goes to 0 or 1
+            assert levels[[0, 1, 2, 4, 5, 6]].tolist() == [0, 1, -1, 3, -3, 7] and levels[3].item() in (0, 1)
+        assert torch.equal(rstore.dequantize(codes, scales, bits, 7), levels[:7].float() * scales[0])
+        store = rstore.ResidualStore(kind)
+        bad = codes.clone()
+        bad[1] = -128 if bits == 8 else 0x80  # level -128, or a zero (level -8) nibble
+        with pytest.raises(ValueError, match="outside"):
+            store.load({"w": bad}, {"w": scales}, {"w": 7})
+        with pytest.raises(ValueError, match="outside"):
+            rstore.decoded(kind, {"w": bad}, {"w": scales}, rstore.BLOCK)
+        store.load({"w": codes}, {"w": scales}, {"w": 7})
+        assert torch.equal(store.get("w"), rstore.dequantize(codes, scales, bits, 7))
 
 
 def test_residuals_written_in_the_legacy_blocks_of_256_load_into_blocks_of_64() -> None:
