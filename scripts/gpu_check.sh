@@ -2,7 +2,8 @@
 # Build commpress with its CUDA kernels and check them on this machine's NVIDIA GPU, in one go:
 #   1. build the extension (CPU + CUDA kernels) in a scratch copy of the checkout, for this
 #      GPU's architecture only (TORCH_CUDA_ARCH_LIST; a couple of minutes at most);
-#   2. pytest tests/kernels/test_native.py tests/kernels/test_kernels.py tests/kernels/test_cupy.py tests/kernels/test_blockint_kernels.py: every CUDA kernel
+#   2. pytest tests/kernels/test_native.py tests/kernels/test_kernels.py tests/kernels/test_cupy.py tests/kernels/test_blockint_kernels.py
+#      tests/kernels/test_blockint_sr.py tests/kernels/test_blockint_sr_cuda.py: every CUDA kernel
 #      against the pure-torch reference, bit for bit, opcheck, bad input -- on the native build
 #      and on the CuPy backend (the same sources through NVRTC) when CuPy is installed;
 #   3. scripts/bench_kernels.py --device cuda: the kernel benchmark and its targets, for every
@@ -125,9 +126,10 @@ print("native ops:", o.native_ops())') >&2
 
 # ----- tests -----------------------------------------------------------------------------------
 status=0
-log "pytest tests/kernels/test_native.py tests/kernels/test_kernels.py tests/kernels/test_cupy.py tests/kernels/test_blockint_kernels.py"
+log "pytest tests/kernels/test_native.py tests/kernels/test_kernels.py tests/kernels/test_cupy.py tests/kernels/test_blockint_kernels.py tests/kernels/test_blockint_sr.py tests/kernels/test_blockint_sr_cuda.py"
 (cd "$WORK" && HYPOTHESIS_PROFILE=ci "$PY" -m pytest -q -p no:cacheprovider -rs \
-  tests/kernels/test_native.py tests/kernels/test_kernels.py tests/kernels/test_cupy.py tests/kernels/test_blockint_kernels.py 2>&1) | tee "$OUT_DIR/tests.log" >&2 || status=1
+  tests/kernels/test_native.py tests/kernels/test_kernels.py tests/kernels/test_cupy.py tests/kernels/test_blockint_kernels.py \
+  tests/kernels/test_blockint_sr.py tests/kernels/test_blockint_sr_cuda.py 2>&1) | tee "$OUT_DIR/tests.log" >&2 || status=1
 
 # ----- benchmark -------------------------------------------------------------------------------
 if [ -z "${SKIP_BENCH:-}" ]; then

@@ -173,9 +173,11 @@ void qsgd_decode_cuda(const at::Tensor& norms, const at::Tensor& packed, int64_t
 
 // ----- int8 / int4 ---------------------------------------------------------------------------
 
-std::tuple<at::Tensor, at::Tensor> blockint_encode_cuda(const at::Tensor& x, int64_t bits,
-                                                        int64_t block_size) {
-  static constexpr const char* op = "blockint_encode";
+// The deterministic encode (no seed) or the stochastically rounded one, whose uniforms come
+// from the stream of `seed` (the schema's int64 carrying the uint64's bits).
+std::tuple<at::Tensor, at::Tensor> blockint_encode_impl(const char* op, const at::Tensor& x,
+                                                        int64_t bits, int64_t block_size,
+                                                        std::optional<int64_t> seed) {
   check_vector(op, "x", x, kCUDA);
   const DType dtype = float_code(op, "x", x);
   check_blockint_params(op, bits, block_size);
@@ -192,16 +194,32 @@ std::tuple<at::Tensor, at::Tensor> blockint_encode_cuda(const at::Tensor& x, int
   at::Tensor amax =
       at::empty({commpress_blockint_scratch_cuda(n, block)}, x.options().dtype(at::kLong));
   at::Tensor flags = at::empty({1}, x.options().dtype(at::kInt));
-  C10_CUDA_CHECK(commpress_blockint_encode_cuda(
-      x.const_data_ptr(), dtype, n, static_cast<int>(bits), block, scales.data_ptr(),
-      packed.mutable_data_ptr<uint8_t>(),
-      reinterpret_cast<unsigned long long*>(amax.mutable_data_ptr<int64_t>()),
-      flags.mutable_data_ptr<int>(), stream()));
+  auto* amax_words = reinterpret_cast<unsigned long long*>(amax.mutable_data_ptr<int64_t>());
+  C10_CUDA_CHECK(
+      seed.has_value()
+          ? commpress_blockint_encode_sr_cuda(x.const_data_ptr(), dtype, n, static_cast<int>(bits),
+                                              block, seed_bits(*seed), scales.data_ptr(),
+                                              packed.mutable_data_ptr<uint8_t>(), amax_words,
+                                              flags.mutable_data_ptr<int>(), stream())
+          : commpress_blockint_encode_cuda(x.const_data_ptr(), dtype, n, static_cast<int>(bits),
+                                           block, scales.data_ptr(),
+                                           packed.mutable_data_ptr<uint8_t>(), amax_words,
+                                           flags.mutable_data_ptr<int>(), stream()));
   const int f = read_flags(flags);
   check_finite(!(f & cuda::kFlagNonFinite), op, "x");
   TORCH_CHECK(!(f & cuda::kFlagOverflow), op, ": values too close to ", x.scalar_type(),
               "'s largest value: the decode of int", bits, " would overflow (nothing was written)");
   return {scales, packed};
+}
+
+std::tuple<at::Tensor, at::Tensor> blockint_encode_cuda(const at::Tensor& x, int64_t bits,
+                                                        int64_t block_size) {
+  return blockint_encode_impl("blockint_encode", x, bits, block_size, std::nullopt);
+}
+
+std::tuple<at::Tensor, at::Tensor> blockint_encode_sr_cuda(const at::Tensor& x, int64_t bits,
+                                                           int64_t block_size, int64_t seed) {
+  return blockint_encode_impl("blockint_encode_sr", x, bits, block_size, seed);
 }
 
 void blockint_decode_cuda(const at::Tensor& scales, const at::Tensor& packed, int64_t bits,
@@ -321,6 +339,7 @@ TORCH_LIBRARY_IMPL(commpress, CUDA, m) {
   m.impl("randomk_gather", &randomk_gather_cuda);
   m.impl("randomk_scatter_add", &randomk_scatter_add_cuda);
   m.impl("blockint_encode", &blockint_encode_cuda);
+  m.impl("blockint_encode_sr", &blockint_encode_sr_cuda);
   m.impl("blockint_decode", &blockint_decode_cuda);
 }
 

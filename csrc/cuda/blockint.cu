@@ -12,6 +12,9 @@
 //   3. fields: one warp per 32 elements, blockint_field of codec_cores.h per element (the core
 //      the CPU kernels use), int4 pairs joined with one shuffle. It reads the flags first and
 //      writes nothing when the input was invalid.
+// The stochastic encode (blockint_encode_sr) differs only in pass 3: blockint_field_sr with
+// element i's uniform rng_u24_paired(key, i) (include/commpress/rng.h), i the global index, so
+// any thread layout draws the CPU kernel's numbers.
 // Decode: one warp per 32 elements, blockint_value + decode_into per element.
 #include <cuda_runtime.h>
 
@@ -20,6 +23,7 @@
 #include "block_sums.cuh"
 #include "commpress/codec_cores.h"
 #include "commpress/hd.h"
+#include "commpress/rng.h"
 #include "common.cuh"
 #include "launchers.h"
 
@@ -104,10 +108,12 @@ __global__ void blockint_finalize_kernel(const unsigned long long* __restrict__ 
   }
 }
 
-template <class T, int Bits>
+// Stochastic: blockint_field_sr with the uniforms of `key` (unused otherwise).
+template <class T, int Bits, bool Stochastic>
 __global__ void blockint_encode_kernel(const T* __restrict__ x,
                                        const typename Elem<T>::compute* __restrict__ scales,
-                                       Layout l, int qmax, uint8_t* __restrict__ packed,
+                                       Layout l, int qmax, uint64_t key,
+                                       uint8_t* __restrict__ packed,
                                        const int* __restrict__ flags) {
   using CT = typename Elem<T>::compute;
   if (*flags != 0) {
@@ -123,7 +129,13 @@ __global__ void blockint_encode_kernel(const T* __restrict__ x,
     uint32_t f = 0;
     if (i < l.n) {
       const CT s = scales[b];
-      f = blockint_field<CT>(Elem<T>::load(x[i]), s > CT(0) ? s : CT(1), qmax);
+      const CT safe = s > CT(0) ? s : CT(1);
+      if constexpr (Stochastic) {
+        f = blockint_field_sr<CT>(Elem<T>::load(x[i]), safe, qmax,
+                                  rng_u24_paired(key, static_cast<uint64_t>(i)));
+      } else {
+        f = blockint_field<CT>(Elem<T>::load(x[i]), safe, qmax);
+      }
     }
     if constexpr (Bits == 8) {
       if (i < l.n) {
@@ -163,8 +175,8 @@ bool valid_bits(int bits) { return bits == 4 || bits == 8; }
 int qmax_of(int bits) { return bits == 8 ? 127 : 7; }
 int64_t amax_chunks(int64_t block) { return ceil_div(block, kAmaxChunk); }
 
-template <class T, int Bits>
-cudaError_t blockint_encode(const void* xv, int64_t n, int64_t block, void* scales,
+template <class T, int Bits, bool Stochastic>
+cudaError_t blockint_encode(const void* xv, int64_t n, int64_t block, uint64_t key, void* scales,
                             uint8_t* packed, unsigned long long* amax, int* flags,
                             cudaStream_t stream) {
   using CT = typename Elem<T>::compute;
@@ -189,9 +201,30 @@ cudaError_t blockint_encode(const void* xv, int64_t n, int64_t block, void* scal
   if ((err = cudaGetLastError()) != cudaSuccess) {
     return err;
   }
-  blockint_encode_kernel<T, Bits><<<grid(grid_words(n)), kThreads, 0, stream>>>(
-      x, s, l, qmax_of(Bits), packed, flags);
+  blockint_encode_kernel<T, Bits, Stochastic><<<grid(grid_words(n)), kThreads, 0, stream>>>(
+      x, s, l, qmax_of(Bits), key, packed, flags);
   return cudaGetLastError();
+}
+
+// Both launchers: the argument checks, n == 0, and the dispatch on dtype and width.
+template <bool Stochastic>
+cudaError_t blockint_encode_launch(const void* x, int dtype, int64_t n, int bits, int64_t block,
+                                   uint64_t key, void* scales, uint8_t* packed,
+                                   unsigned long long* amax, int* flags, cudaStream_t stream) {
+  if (n < 0 || block < 1 || !valid_bits(bits)) {
+    return cudaErrorInvalidValue;
+  }
+  if (n == 0) {
+    return cudaMemsetAsync(flags, 0, sizeof(int), stream);
+  }
+  return dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    return bits == 8
+               ? blockint_encode<T, 8, Stochastic>(x, n, block, key, scales, packed, amax, flags,
+                                                   stream)
+               : blockint_encode<T, 4, Stochastic>(x, n, block, key, scales, packed, amax, flags,
+                                                   stream);
+  });
 }
 #endif  // __CUDACC_RTC__
 
@@ -210,18 +243,17 @@ cudaError_t commpress_blockint_encode_cuda(const void* x, int dtype, int64_t n, 
                                            int64_t block, void* scales, uint8_t* packed,
                                            unsigned long long* amax, int* flags,
                                            cudaStream_t stream) {
-  using namespace commpress::cuda;
-  if (n < 0 || block < 1 || !valid_bits(bits)) {
-    return cudaErrorInvalidValue;
-  }
-  if (n == 0) {
-    return cudaMemsetAsync(flags, 0, sizeof(int), stream);
-  }
-  return dispatch_dtype(dtype, [&](auto tag) {
-    using T = decltype(tag);
-    return bits == 8 ? blockint_encode<T, 8>(x, n, block, scales, packed, amax, flags, stream)
-                     : blockint_encode<T, 4>(x, n, block, scales, packed, amax, flags, stream);
-  });
+  return commpress::cuda::blockint_encode_launch<false>(x, dtype, n, bits, block, 0, scales,
+                                                        packed, amax, flags, stream);
+}
+
+cudaError_t commpress_blockint_encode_sr_cuda(const void* x, int dtype, int64_t n, int bits,
+                                              int64_t block, uint64_t seed, void* scales,
+                                              uint8_t* packed, unsigned long long* amax,
+                                              int* flags, cudaStream_t stream) {
+  const uint64_t key = commpress::rng_key(seed, commpress::kStreamBlockIntSR);
+  return commpress::cuda::blockint_encode_launch<true>(x, dtype, n, bits, block, key, scales,
+                                                       packed, amax, flags, stream);
 }
 
 cudaError_t commpress_blockint_decode_cuda(const void* scales, const uint8_t* packed, int64_t n,

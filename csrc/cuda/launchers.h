@@ -73,6 +73,11 @@ cudaError_t commpress_blockint_encode_cuda(const void* x, int dtype, int64_t n, 
                                            int64_t block, void* scales, uint8_t* packed,
                                            unsigned long long* amax, int* flags,
                                            cudaStream_t stream);
+// The same with stochastic rounding (blockint_encode_sr); seed is the uint64 seed.
+cudaError_t commpress_blockint_encode_sr_cuda(const void* x, int dtype, int64_t n, int bits,
+                                              int64_t block, uint64_t seed, void* scales,
+                                              uint8_t* packed, unsigned long long* amax,
+                                              int* flags, cudaStream_t stream);
 // Decode: out = decoded (accumulate == 0) or out += decoded.
 cudaError_t commpress_blockint_decode_cuda(const void* scales, const uint8_t* packed, int64_t n,
                                            int bits, int64_t block, int dtype, void* out,
