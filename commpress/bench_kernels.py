@@ -11,7 +11,8 @@ on CUDA: the Python backends of :mod:`commpress.kernels.backends`, single-thread
 * every native op (sign encode, alone as ``codec.encode`` runs it and with fused error
   feedback, sign decode-accumulate, fused error feedback + 4-bit QSGD encode, QSGD
   decode-accumulate, top-k at 1%, scatter-add of 4 top-k payloads, random-k gather and scatter
-  at 1%, and the int8 / int4 block-scaled encode and decode at block 256), with its effective
+  at 1%, the int8 / int4 block-scaled encode and decode at block 256, and their stochastic
+  encode at block 64, the FSDP error-feedback store's), with its effective
   bandwidth counted the same way (the bytes the op must read and write, listed in the
   ``bytes/elt`` column) and that as a percentage of ``copy_``, and its elements per second and
   their ratio to ``copy_``'s (``x copy_ elt/s``: copy_'s time over the op's, the measure of
@@ -273,7 +274,8 @@ def targets(rows: list[Row], device: str) -> list[str]:
     out = []
     goals = [("sign encode + EF (fused)", 70), ("sign decode-accumulate", 70), ("qsgd 4-bit encode + EF (fused)", 50)]
     # issue #25: these ops at >= 0.7x copy_'s elements/s, 16M float32, 1 thread
-    elt_goals = ("sign encode", "int8 encode", "int8 decode", "int4 encode", "int4 decode")
+    elt_goals = ("sign encode", "int8 encode", "int8 decode", "int4 encode", "int4 decode",
+                 f"int8 encode, stochastic (blocks of {SR_BLOCK})", f"int4 encode, stochastic (blocks of {SR_BLOCK})")
     for r in rows:
         if r.op in elt_goals and r.size == "16M" and r.threads == "1" and r.x_copy_elts is not None:
             ok = r.x_copy_elts >= 0.7
