@@ -11,6 +11,7 @@ as every caller gets them). ``.native`` tells whether it is the extension.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -86,3 +87,15 @@ def activate(name: str) -> Iterator[Backend]:
         device = backends.PYTHON_BACKENDS[name][1]
         with ops.use_backend(name):  # the codecs' wrappers run on it too
             yield Backend.make(device, name, ops.checked, False)
+
+
+@contextlib.contextmanager
+def cpu_isa(name: str) -> Iterator[None]:
+    """Within the block the native CPU kernels run their ``name`` variant ("default", "avx2", "avx512")."""
+    before = ops.cpu_isa()
+    ops.cpu_isa(name)
+    try:
+        yield
+    finally:
+        ops.cpu_isa(before)
+

@@ -43,8 +43,8 @@ def encode(x: torch.Tensor, bits: int, block_size: int) -> tuple[torch.Tensor, t
     return encode_torch(x, bits, block_size)
 
 
-def encode_torch(x: torch.Tensor, bits: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`encode` in vectorised torch (any device), the fallback of the native op."""
+def _scaled(x: torch.Tensor, bits: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scales, x / safe)`` in the compute dtype: what both rounding modes start from (checks included)."""
     require_finite(x)
     qmax = QMAX[bits]
     ct = compute_dtype(x.dtype)
@@ -67,10 +67,19 @@ def encode_torch(x: torch.Tensor, bits: int, block_size: int) -> tuple[torch.Ten
         torch.div(full, safe[:nfull, None], out=qf)
     if tail is not None and qt is not None:
         torch.div(tail, safe[nfull], out=qt)
+    return scales, q
+
+
+def _packed(scales: torch.Tensor, fields: torch.Tensor, bits: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return scales.to(scale_dtype(dtype)), (fields if bits == 8 else ops.pack_bits(fields, bits))
+
+
+def encode_torch(x: torch.Tensor, bits: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`encode` in vectorised torch (any device), the fallback of the native op."""
+    qmax = QMAX[bits]
+    scales, q = _scaled(x, bits, block_size)
     q.round_().clamp_(-qmax, qmax).add_(qmax)
-    fields = q.to(torch.uint8)
-    packed = fields if bits == 8 else ops.pack_bits(fields, bits)
-    return scales.to(scale_dtype(x.dtype)), packed
+    return _packed(scales, q.to(torch.uint8), bits, x.dtype)
 
 
 def encode_stochastic(x: torch.Tensor, bits: int, block_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,37 +95,16 @@ def encode_stochastic_torch(x: torch.Tensor, bits: int, block_size: int, seed: i
     About 20x slower than the native CPU kernel (the hashing is most of it); what a
     CPU install without the extension, or a CUDA tensor with a CPU-only build, runs.
     """
-    require_finite(x)
     qmax = QMAX[bits]
-    ct = compute_dtype(x.dtype)
     numel = x.numel()
-    xc = x if x.dtype == ct else x.to(ct)
-    full, tail = _rows(xc, block_size)
-    scales = torch.empty(n_blocks(numel, block_size), dtype=ct, device=x.device)
-    nfull = full.shape[0]
-    if nfull:
-        torch.amax(full.abs(), dim=1, out=scales[:nfull])
-    if tail is not None:
-        scales[nfull] = tail.abs().amax()
-    scales.div_(qmax)
-    if not check_decodable(scales, bits, x.dtype):
-        raise CodecError(f"values too close to {x.dtype}'s largest value: the decode of int{bits} would overflow")
-    safe = torch.where(scales > 0, scales, 1.0)
-    r = torch.empty(numel, dtype=ct, device=x.device)
-    rf, rt = _rows(r, block_size)
-    if nfull:
-        torch.div(full, safe[:nfull, None], out=rf)
-    if tail is not None and rt is not None:
-        torch.div(tail, safe[nfull], out=rt)
+    scales, r = _scaled(x, bits, block_size)
     # int32 holds it all: |T| <= q_max * 2**24 and T + v < (q_max + 1) * 2**24 <= 2**31
     fixed = r.clamp_(-qmax, qmax).mul_(float(1 << 24)).floor_().to(torch.int32)
     if x.device.type == "cpu":  # numpy's uint64 hashing is about 2x torch's int64 on the CPU
         fixed += torch.from_numpy(rng.paired_u24(seed, rng.STREAM_BLOCKINT_SR, numel).view("int32"))
     else:
         fixed += rng.paired_u24_torch(seed, rng.STREAM_BLOCKINT_SR, numel, x.device).to(torch.int32)
-    fields = fixed.bitwise_right_shift_(24).add_(qmax).to(torch.uint8)
-    packed = fields if bits == 8 else ops.pack_bits(fields, bits)
-    return scales.to(scale_dtype(x.dtype)), packed
+    return _packed(scales, fixed.bitwise_right_shift_(24).add_(qmax).to(torch.uint8), bits, x.dtype)
 
 
 def decode(scales: torch.Tensor, packed: torch.Tensor, bits: int, block_size: int, out: torch.Tensor,

@@ -92,40 +92,36 @@ def check_decodable(scales: torch.Tensor, bits: int, dtype: torch.dtype) -> bool
     return bool(torch.isfinite(top)) and bool(torch.isfinite(top.to(dtype)))
 
 
-def encode_reference(x: torch.Tensor, bits: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(scales, packed)`` of a 1-D tensor: the specification every fast path matches bit for bit."""
+def _quotients(x: torch.Tensor, bits: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scales, x / safe)``: the block scales in the compute dtype and the ``(blocks, block_size)`` quotients."""
     if bits not in QMAX:
         raise CodecError(f"bits must be one of {sorted(QMAX)}, got {bits!r}")
     require_finite(x)
     numel = x.numel()
     ct = compute_dtype(x.dtype)
-    qmax = QMAX[bits]
     nb = n_blocks(numel, block_size)
     rows = torch.nn.functional.pad(x.to(ct), (0, nb * block_size - numel)).view(nb, block_size)
-    scales = rows.abs().amax(dim=1) / qmax if nb else rows.new_zeros(0)
+    scales = rows.abs().amax(dim=1) / QMAX[bits] if nb else rows.new_zeros(0)
     if not check_decodable(scales, bits, x.dtype):
         raise CodecError(f"values too close to {x.dtype}'s largest value: the decode of int{bits} would overflow")
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = torch.round(rows / safe[:, None]).clamp_(-qmax, qmax)
-    fields = (q + qmax).to(torch.uint8).reshape(-1)[:numel]
+    return scales, rows / safe[:, None]
+
+
+def encode_reference(x: torch.Tensor, bits: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scales, packed)`` of a 1-D tensor: the specification every fast path matches bit for bit."""
+    scales, r = _quotients(x, bits, block_size)
+    qmax = QMAX[bits]
+    fields = (torch.round(r).clamp_(-qmax, qmax) + qmax).to(torch.uint8).reshape(-1)[: x.numel()]
     return scales.to(scale_dtype(x.dtype)), pack_bits_reference(fields, bits)
 
 
 def encode_stochastic_reference(x: torch.Tensor, bits: int, block_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(scales, packed)`` with stochastic rounding (the module docstring): what ``blockint_encode_sr`` matches bit for bit."""
-    if bits not in QMAX:
-        raise CodecError(f"bits must be one of {sorted(QMAX)}, got {bits!r}")
-    require_finite(x)
-    numel = x.numel()
-    ct = compute_dtype(x.dtype)
+    scales, r = _quotients(x, bits, block_size)
     qmax = QMAX[bits]
-    nb = n_blocks(numel, block_size)
-    rows = torch.nn.functional.pad(x.to(ct), (0, nb * block_size - numel)).view(nb, block_size)
-    scales = rows.abs().amax(dim=1) / qmax if nb else rows.new_zeros(0)
-    if not check_decodable(scales, bits, x.dtype):
-        raise CodecError(f"values too close to {x.dtype}'s largest value: the decode of int{bits} would overflow")
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    r = (rows / safe[:, None]).clamp_(-qmax, qmax)
+    numel = x.numel()
+    r = r.clamp(-qmax, qmax)
     fixed = torch.floor(r * float(1 << 24)).reshape(-1)[:numel].to(torch.int64)
     v = torch.from_numpy(rng.paired_u24(seed, rng.STREAM_BLOCKINT_SR, numel).astype("int64")).to(x.device)
     fields = ((fixed + v) >> 24) + qmax  # arithmetic shift: floor((T + v) / 2**24) + q_max

@@ -5,7 +5,6 @@ the wire size formula, bad input, and the fast paths bit for bit against the spe
 the native CPU kernels (every instruction-set variant) and the torch path.
 """
 
-import contextlib
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from commpress.kernels import ops
 from commpress.spec import blockint as spec
 from commpress.spec.bitpack import pack_bits_reference
 
+import kernel_backends
 from strategies import DTYPES, tensors
 
 BITS = {"int8": 8, "int4": 4}
@@ -198,14 +198,7 @@ ISAS = ops.cpu_isas() or ["default"]
 NATIVE_BLOCKS = st.one_of(BLOCKS, st.integers(1, 1100), st.sampled_from([2**20, 2**31 - 1]))
 
 
-@contextlib.contextmanager
-def _isa(name):
-    before = ops.cpu_isa()
-    ops.cpu_isa(name)
-    try:
-        yield
-    finally:
-        ops.cpu_isa(before)
+_isa = kernel_backends.cpu_isa
 
 
 @st.composite

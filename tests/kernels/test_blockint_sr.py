@@ -12,8 +12,6 @@ the seed alone.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -25,6 +23,7 @@ from commpress.kernels import blockint as fast
 from commpress.kernels import ops
 from commpress.spec import blockint as spec
 
+import kernel_backends
 from strategies import tensors
 
 needs_native = pytest.mark.skipif(not ops.has_native("blockint_encode_sr"), reason=f"no native op: {ops.load_native()}")
@@ -33,14 +32,7 @@ BLOCKS = st.sampled_from([1, 7, 16, 64, 256, 1000, 2**31 - 1])
 SEEDS = st.integers(0, 2**64 - 1)
 
 
-@contextlib.contextmanager
-def _isa(name: str):
-    before = ops.cpu_isa()
-    ops.cpu_isa(name)
-    try:
-        yield
-    finally:
-        ops.cpu_isa(before)
+_isa = kernel_backends.cpu_isa
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
