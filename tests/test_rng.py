@@ -35,3 +35,15 @@ def test_mix64_matches_the_vectorised_hash():
     with np.errstate(over="ignore"):
         vec = rng._mix64(np.array(zs, dtype=np.uint64))
     assert [rng.mix64(z) for z in zs] == [int(v) for v in vec]
+
+
+@pytest.mark.parametrize("count", [0, 1, 2, 3, 17, 1000, 100_001])
+@pytest.mark.parametrize("seed", [0, 5, 2**63, 2**64 - 1])
+def test_paired_u24_in_torch_is_the_numpy_specification(seed, count):
+    """The int64 torch version (wrapping products, masked logical shifts) draws the same numbers."""
+    import numpy as np
+
+    want = rng.paired_u24(seed, rng.STREAM_BLOCKINT_SR, count).astype(np.int64)
+    got = rng.paired_u24_torch(seed, rng.STREAM_BLOCKINT_SR, count)
+    assert got.dtype.is_floating_point is False and got.numel() == count
+    assert (got.numpy() == want).all()
