@@ -81,13 +81,26 @@ def parse_method(method: str) -> tuple[str, dict[str, Any], dict[str, Any]]:
     return name, (parse_params(params) if params else {}), options
 
 
-def shard_model(model: nn.Module, mp: str | None) -> None:
+def shard_model(model: nn.Module, mp: str | None, mesh: str | None = None) -> None:
+    """``fully_shard`` per block and the root; ``mesh``: None (every rank), ``"node"`` (the node's ranks:
+    :func:`commpress.fsdp.node_mesh`) or ``"hsdp"`` (FSDP2's own HSDP: a 2-D mesh, dense all-reduce across nodes)."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    import commpress.fsdp
+
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if mp == "bf16" else MixedPrecisionPolicy()
+    kw: dict[str, Any] = {}
+    if mesh == "node":
+        kw["mesh"] = commpress.fsdp.node_mesh("cpu")
+    elif mesh == "hsdp":
+        L = int(os.environ["LOCAL_WORLD_SIZE"])
+        kw["mesh"] = init_device_mesh("cpu", (dist.get_world_size() // L, L), mesh_dim_names=("replicate", "shard"))
+    elif mesh is not None:
+        raise SystemExit(f"unknown mesh {mesh!r}: node or hsdp")
     for block in model.blocks.layers:  # type: ignore[union-attr]
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(block, mp_policy=policy, **kw)
+    fully_shard(model, mp_policy=policy, **kw)
 
 
 def fsdp_wire(model: nn.Module, world: int, ag_bytes: int, rs_bytes: int) -> tuple[float, float]:
@@ -127,12 +140,12 @@ def run_method(method: str, args: argparse.Namespace, text: Any, heldout: tuple[
     model = build_model(args)
     numel = sum(p.numel() for p in model.parameters())
     state = None
-    if method in ("fp32", "bf16"):
-        shard_model(model, "bf16" if method == "bf16" else None)
+    if method in ("fp32", "bf16", "hsdp-fp32", "hsdp-bf16"):
+        shard_model(model, "bf16" if method.endswith("bf16") else None, "hsdp" if method.startswith("hsdp") else None)
         codec, options = None, {}
     elif method.startswith("cp-"):
         codec, params, options = parse_method(method)
-        shard_model(model, options.pop("mp", None))
+        shard_model(model, options.pop("mp", None), options.pop("mesh", None))
         param = options.pop("param", DEFAULT)
         if param is None:  # parse_params reads "none" as None: FSDP's own all-gather, counted (gradient-only)
             param = "none"
@@ -154,7 +167,7 @@ def run_method(method: str, args: argparse.Namespace, text: Any, heldout: tuple[
         handed = None if str(options.pop("optimizer", "")).lower() == "none" else opt
         state = commpress.fsdp.register(model, codec, optimizer=handed, **params, **options,
                                         **({"param_codec": param} if param is not DEFAULT else {}))
-    bf16 = method == "bf16" or (method.startswith("cp-") and "mp=bf16" in method)
+    bf16 = method.endswith("bf16") or (method.startswith("cp-") and "mp=bf16" in method)
     fsdp_ag, fsdp_rs = fsdp_wire(model, world, 2 if bf16 else 4, 2 if bf16 else 4)
     x_ho, y_ho = heldout[0][rank::world], heldout[1][rank::world]
 
@@ -277,7 +290,12 @@ def table(data: dict[str, Any]) -> list[str]:
         (r for r in res if r["method"] == "cp-bf16@param=bf16"), None)
     target = base["final_loss"] * LOSS_TARGET
     t_bf16 = time_to(bf16["curve"], target) if bf16 else None
-    head = ("| method | AG MB/step | RS MB/step | total vs bf16 | tx MB/step (measured) | median step (s) | "
+    cluster = bool(data.get("nodes"))
+    tx_of = {r["method"]: max((m for m in r.get("measured_tx", []) if m is not None), default=float("nan"))
+             for r in res}
+    head = ("| method | AG MB/step | RS MB/step | total vs bf16 | "
+            + ("cross-node tx MB/node/step (measured) | bf16's cross-node / this |" if cluster
+               else "tx MB/step (measured) |") + " median step (s) | "
             "held-out loss | vs fp32 | time to target (s) | vs bf16 | memory MB (params+grads+optim+commpress) |")
     lines = [f"Target: held-out loss {target:.4f} (FSDP fp32's final x {LOSS_TARGET}); bytes per rank and step.", "",
              head, "|" + "---|" * (head.count("|") - 1)]
@@ -291,7 +309,8 @@ def table(data: dict[str, Any]) -> list[str]:
         lines.append(
             f"| {r['method']} | {r['ag_bytes'] / 1e6:.2f} | {r['rs_bytes'] / 1e6:.2f} | "
             f"{r['fsdp_bf16_bytes'] / total:.2f}x | {max(tx) / 1e6 if tx else float('nan'):.2f} | "
-            f"{r['median_step_s']:.3f} | {r['final_loss']:.4f} | {100 * (r['final_loss'] / base['final_loss'] - 1):+.2f}% | "
+            + (f"{tx_of.get('bf16', float('nan')) / max(tx):.1f}x | " if cluster and tx else "| " if cluster else "")
+            + f"{r['median_step_s']:.3f} | {r['final_loss']:.4f} | {100 * (r['final_loss'] / base['final_loss'] - 1):+.2f}% | "
             + ("not reached | - |" if t is None else f"{t:.1f} | " + (f"{t_bf16 / t:.2f}x faster |" if t_bf16 else "- |"))
             + f" {' + '.join(f'{m / 1e6:.1f}' for m in mem)} |"
         )
@@ -328,7 +347,8 @@ def driver(args: argparse.Namespace, rest: list[str]) -> int:
     port = 29900 + os.getpid() % 500
     t0 = time.monotonic()
     for link in args.links.split(","):
-        with ShapedNetwork(args.world, None if link == "unshaped" else link) as net:
+        nodes = args.nodes or args.world
+        with ShapedNetwork(nodes, None if link == "unshaped" else link, ranks_per_node=args.world // nodes) as net:
             out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
 
             def argv(r: int, net: Any = net, out: str = out) -> list[str]:
@@ -343,8 +363,9 @@ def driver(args: argparse.Namespace, rest: list[str]) -> int:
         with open(out) as f:
             data = json.load(f)
         os.unlink(out)
-        key = f"{args.world} ranks, {link}" + ("" if shaped or link == "unshaped" else " (NOT shaped: loopback)")
-        runs[key] = data
+        layout = f"{args.world} ranks" if not args.nodes else f"{args.nodes} nodes x {args.world // args.nodes} ranks"
+        key = f"{layout}, {link}" + ("" if shaped or link == "unshaped" else " (NOT shaped: loopback)")
+        runs[key] = {**data, "nodes": args.nodes}
     r0 = next(iter(runs.values()))["results"][0]
     intro = (f"ByteLM dim {args.dim}, {args.layers} blocks, MLP {args.ffn} wide, context {args.context} ({r0['params']:,} parameters), "
              f"`fully_shard` per block and the root, {args.optim} lr={args.lr}, batch {args.batch} windows per rank, "
@@ -371,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--links", default="1gbit", help="comma-separated: unshaped, 10gbit, 1gbit, ...")
     ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--nodes", type=int, default=0,
+                    help="an emulated cluster: --world ranks on this many hosts (shaped links between them, loopback inside); "
+                         "the measured tx column is then each node's cross-node bytes")
     ap.add_argument("--methods", default=";".join(DEFAULT_METHODS))
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--points", type=int, default=10, help="held-out evaluations per run")
@@ -394,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.nodes and (args.nodes < 2 or args.world % args.nodes or args.world == args.nodes):
+        ap.error(f"--nodes {args.nodes} must be >= 2 and divide --world {args.world} into nodes of >= 2 ranks")
     if args.lr is None:
         args.lr = 1e-3 if args.optim == "adamw" else 0.05
     if args.quick:

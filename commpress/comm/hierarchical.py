@@ -45,7 +45,7 @@ from ..errors import CodecError
 from ..feedback import ErrorFeedback
 from ..rng import derive_seed
 from .driver import Algorithm, Entry, Piece, Slot, StepContext, all_gather_single
-from .stats import CommStats
+from .stats import LevelStats
 from .topology import NodeGroups, Topology, node_groups
 from .twophase import piece_bounds
 
@@ -56,29 +56,6 @@ PHASE_SHARE = 5
 def share_key(key: str, share: int) -> str:
     """Error-feedback key of share ``share`` of ``key`` (the inner algorithm may cut it further)."""
     return f"{key}@{share}"
-
-
-class _InterStats(CommStats):
-    """The inner algorithm's counters, added to the outer ones as inter-node bytes.
-
-    The outer step counts the buffer and its dense baseline once, and the slots written as NaN
-    (a whole slot, not a share piece): the inner step's own counts of those are dropped.
-    """
-
-    def __init__(self, target: CommStats | None) -> None:  # no counters of its own
-        self._target = target
-
-    def add(self, **amounts: float) -> None:
-        """Forward to the outer counters, bytes also as ``inter_*``."""
-        if self._target is None:
-            return
-        for dropped in ("buffers", "dense_bytes", "dense_wire", "nonfinite_slots"):
-            amounts.pop(dropped, None)
-        if "bytes_sent" in amounts:
-            amounts["inter_bytes_sent"] = amounts["bytes_sent"]
-        if "bytes_wire" in amounts:
-            amounts["inter_bytes_wire"] = amounts["bytes_wire"]
-        self._target.add(**amounts)
 
 
 class Hierarchical(Algorithm):
@@ -236,7 +213,7 @@ class Hierarchical(Algorithm):
         offsets = [sum(b[j][1] - b[j][0] for b in bounds[:i]) for i in range(len(bounds))]
         slots = [Slot(share_key(s.key, j), off, (b[j][1] - b[j][0],), s.codec, derive_seed(s.seed, PHASE_SHARE, j),
                       s.feedback) for s, b, off in zip(ctx.slots, bounds, offsets)]
-        sub = StepContext(share, slots, groups.inter, _InterStats(ctx.stats))
+        sub = StepContext(share, slots, groups.inter, LevelStats(ctx.stats, "inter", (*LevelStats.TOTALS, "nonfinite_slots")))
         inner.launch(sub, server_feedback).wait()  # bounded: the fault channel fails this future
         # 3. dense all-gather inside the node
         width = max(sizes)

@@ -85,3 +85,33 @@ def dense_accounting(stats: CommStats | None, buffer: torch.Tensor, n: int, *, s
 
 
 __all__ = ["CommStats", "dense_accounting"]
+
+
+class LevelStats(CommStats):
+    """One level of a two-level reduction, counted into ``target`` with its bytes also as ``<level>_*``.
+
+    ``level`` is ``"intra"`` (inside a node) or ``"inter"`` (across nodes). ``drop`` names
+    counters the outer step counts once for the whole buffer (:data:`TOTALS`: ``buffers`` and the
+    dense baseline; with ``"nonfinite_slots"`` the slots written as NaN too) when this is the
+    second level of one reduction. Keeps no counters of its own.
+    """
+
+    #: what a second level leaves to the first: the buffer and its dense baseline
+    TOTALS = ("buffers", "dense_bytes", "dense_wire")
+
+    def __init__(self, target: CommStats | None, level: str, drop: tuple[str, ...] = ()) -> None:
+        if level not in ("intra", "inter"):
+            raise ValueError(f"level must be 'intra' or 'inter', got {level!r}")
+        self._target, self._level, self._drop = target, level, drop
+
+    def add(self, **amounts: float) -> None:
+        """Forward to the target, bytes also under this level's names."""
+        if self._target is None:
+            return
+        for dropped in self._drop:
+            amounts.pop(dropped, None)
+        for what in ("bytes_sent", "bytes_wire"):
+            if what in amounts:
+                amounts[f"{self._level}_{what}"] = amounts[what]
+        self._target.add(**amounts)
+

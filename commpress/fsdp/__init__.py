@@ -14,6 +14,12 @@ parameters stay exact). ``param_codec="none"`` is gradient-only. ``register(mode
 chooses per module, for each of the two collectives, exact, bf16 or compressed from the cost
 model (:mod:`commpress.fsdp.auto`), so a fast link keeps FSDP's own collectives.
 
+On several nodes, shard inside each node (HSDP): ``fully_shard(..., mesh=commpress.fsdp.node_mesh("cuda"))``.
+FSDP's own reduce-scatter and all-gather then run on the fast links inside the node, and
+``register`` compresses the one thing that crosses nodes, the all-reduce of each gradient shard
+among the ranks that hold the same shard (error feedback on the shard: no residual for the
+chunks sent to other ranks, so one shard of residual memory), with the same optimizer modes.
+
 Example::
 
     for layer in model.layers:
@@ -28,11 +34,15 @@ Example::
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from .. import options as opts
 from ..codecs import Codec
+from ..comm import topology
 from .allgather import AllGatherPlan, CompressedAllGather, ParamAllGather
 from .auto import FSDPAuto, ModuleChoice
 from .dcp import DCPState
@@ -40,8 +50,36 @@ from .state import CompressedReduceScatter, FSDPCompressionState, ModulePlan, Sh
 
 __all__ = [
     "AllGatherPlan", "CompressedAllGather", "CompressedReduceScatter", "DCPState", "FSDPAuto", "FSDPCompressionState",
-    "ModuleChoice", "ModulePlan", "ParamAllGather", "ShardPlan", "register",
+    "ModuleChoice", "ModulePlan", "ParamAllGather", "ShardPlan", "node_mesh", "register",
 ]
+
+logger = logging.getLogger("commpress")
+
+
+def node_mesh(device_type: str = "cuda", local_world_size: int | None = None, *, timeout_s: float = 60.0) -> DeviceMesh:
+    """The 1-D device mesh of this rank's node: pass it to ``fully_shard(..., mesh=)`` to shard inside nodes.
+
+    The layout comes from ``local_world_size`` (ranks per node), else torchrun's ``LOCAL_WORLD_SIZE``
+    and ``GROUP_RANK`` (:func:`commpress.comm.topology.resolve`: nodes of contiguous ranks, all the
+    same size). One node, or a layout that is not homogeneous: the mesh of every rank, so FSDP
+    shards over all of them as usual (logged). Call it on every rank, after ``init_process_group``.
+
+    Example (2 nodes of 8 GPUs under torchrun)::
+
+        mesh = commpress.fsdp.node_mesh("cuda")
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        state = commpress.fsdp.register(model, "topk", ratio=0.01, optimizer=opt)
+    """
+    opts.require_process_group()
+    topo = topology.resolve(None, local_world_size, opts.check_timeout(timeout_s))
+    if not topo.hierarchical:
+        logger.info("commpress.fsdp.node_mesh: one mesh of all %d ranks (%s)", topo.world_size,
+                    topo.reason or "one node")
+        return init_device_mesh(device_type, (topo.world_size,))
+    mesh = init_device_mesh(device_type, (topo.nodes, topo.local_world_size), mesh_dim_names=("node", "local"))
+    return mesh["local"]
 
 
 def register(model: torch.nn.Module, codec: str | Codec, **options: Any) -> FSDPCompressionState:

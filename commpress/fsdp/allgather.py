@@ -100,15 +100,22 @@ DEFAULT: Any = _NotGiven()
 COMPRESSING_DEFAULT: Mapping[str, str] = {"forward": "int8", "backward": REUSE}
 
 
-def default_param_codec(param_codec: Any, grad_codec: Codec) -> tuple[Any, bool, str]:
+def default_param_codec(param_codec: Any, grad_codec: Codec, inside_node: bool = False) -> tuple[Any, bool, str]:
     """``(param_codec, defaulted, why)``: the option as given, or :data:`DEFAULT` resolved for ``grad_codec``.
 
     Not given: :data:`COMPRESSING_DEFAULT` when ``grad_codec`` compresses (it is not
     :attr:`~commpress.codecs.Codec.lossless`: everything but ``none``, ``fp16`` and ``bf16``),
-    else None (FSDP's own all-gather, untouched). ``why`` is the sentence the registration logs.
+    else None (FSDP's own all-gather, untouched). ``inside_node``: FSDP shards inside a node
+    (HSDP), so the all-gather runs on the fast links only: None. ``why`` is the sentence the
+    registration logs.
     """
     if param_codec is not DEFAULT:
         return param_codec, False, f"param_codec={param_codec!r} as given"
+    if inside_node:
+        return None, True, (
+            "param_codec defaulted to FSDP's own all-gather because FSDP shards inside a node: parameters never "
+            "cross the slow link, only the gradient shards' compressed all-reduce does"
+        )
     if grad_codec.lossless:
         return None, True, (
             f"param_codec defaulted to FSDP's own all-gather because codec {grad_codec.name!r} does not compress "

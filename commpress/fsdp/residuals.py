@@ -108,16 +108,20 @@ PAIRS = (("float32", "float32"), ("bfloat16", "bfloat16"), ("bfloat16", "int8"),
          ("bfloat16", "int4"), ("int8", "int4"), ("int4", "int4"))
 
 
-def state_bytes(world_size: int, residual: str, velocity: str | None) -> float:
+def state_bytes(world_size: int, residual: str, velocity: str | None, velocity_chunks: int | None = None) -> float:
     """Stored bytes per gradient-shard element: ``(n-1)`` residual chunks plus ``n`` local velocity chunks.
 
     ``velocity=None``: no local velocities (the residuals alone). One float32 shard is 4.
+    ``velocity_chunks``: local velocity chunks when not ``n`` (FSDP sharded inside a node: 1
+    residual and 1 velocity chunk, passed as ``world_size=2, velocity_chunks=1``).
     """
     out = (world_size - 1) * bytes_per_element(residual)
-    return out + (0.0 if velocity is None else world_size * bytes_per_element(velocity, VELOCITY_BLOCK))
+    chunks = world_size if velocity_chunks is None else velocity_chunks
+    return out + (0.0 if velocity is None else chunks * bytes_per_element(velocity, VELOCITY_BLOCK))
 
 
-def auto_kinds(world_size: int, local_velocity: bool, grad_bytes: int = 4) -> tuple[str, str]:
+def auto_kinds(world_size: int, local_velocity: bool, grad_bytes: int = 4,
+               velocity_chunks: int | None = None) -> tuple[str, str]:
     """``(residual kind, velocity kind)`` of ``residual_dtype="auto"``: the first that fits one gradient shard.
 
     Without local velocities the residual kind is :func:`auto_kind`'s (velocities, shard-sized
@@ -127,10 +131,11 @@ def auto_kinds(world_size: int, local_velocity: bool, grad_bytes: int = 4) -> tu
     if not local_velocity:
         return auto_kind(world_size, grad_bytes), "float32"
     for residual, velocity in PAIRS:
-        if state_bytes(world_size, residual, velocity) <= grad_bytes:
+        if state_bytes(world_size, residual, velocity, velocity_chunks) <= grad_bytes:
             return residual, velocity
     logger.warning("commpress: at %d ranks int4 residuals and int4 local velocities take %.2f gradient shards "
-                   "(no stored kind fits both in one)", world_size, state_bytes(world_size, "int4", "int4") / grad_bytes)
+                   "(no stored kind fits both in one)", world_size,
+                   state_bytes(world_size, "int4", "int4", velocity_chunks) / grad_bytes)
     return "int4", "int4"
 
 

@@ -74,8 +74,10 @@ from ..checks import check_loaded_tensor
 from ..codecs import Codec, NoneCodec
 from ..codecs.base import all_finite
 from ..comm import CommStats, Slot, piece_key, resolve_codec
+from ..comm import topology as comm_topology
 from ..comm.agreement import check_same_config
 from ..comm.faults import FaultChannel
+from ..comm.stats import LevelStats
 from ..errors import CodecError, ConfigurationError
 from ..feedback import ErrorFeedback, check_state_header, residual_dtype
 from ..optim import (
@@ -245,7 +247,10 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
             updating each shard's ``v`` with its owner's own local gradient chunk (exact, no bytes,
             no memory: :meth:`_own_variance`); ``"frozen"`` keeps 1-bit Adam's variance frozen at
             the end of the warm-up, as DDP does (byte LM, AdamW, 2 ranks, seed 0: top-k 1% +2.5%
-            over fp32 frozen, -0.4% live; docs/fsdp.md).
+            over fp32 frozen, -0.4% live; docs/fsdp.md). ``None`` (default): ``"live"``, except when
+            FSDP shards inside a node (HSDP, :func:`commpress.fsdp.node_mesh`): there every node
+            holds a replica of the shard and a node's own gradient would move the replicas' ``v``
+            apart, so ``"frozen"`` (``"live"`` is a ``ConfigurationError``).
         **codec_params: codec parameters when ``codec`` is a name.
 
     Checkpoints: residuals and velocities differ per rank. Either one file per rank
@@ -272,7 +277,8 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
         "feedback", "_low", "_stats", "_rule", "_group", "faults", "step", "warmup", "guard", "correction",
         "optimizer", "discovery", "adam", "handover", "_placement", "_params", "_measured", "allgather",
         "_stats_log", "auto", "_first_gradients", "keeping_first_gradients", "_find_timeout", "velocity_kind",
-        "_vstore", "param_codec_defaulted", "param_codec_why", "adam_variance",
+        "_vstore", "param_codec_defaulted", "param_codec_why", "adam_variance", "topology", "_node_group",
+        "_inter_group", "chunks", "own_chunk",
     )
 
     def __init__(
@@ -294,7 +300,7 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
         verify: bool = True,
         verify_timeout: float = VERIFY_TIMEOUT_S,
         param_codec: Any = DEFAULT,
-        adam_variance: str = "live",
+        adam_variance: str | None = None,
         **codec_params: Any,
     ) -> None:
         self.auto: FSDPAuto | None = None
@@ -309,12 +315,10 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
             raise CodecError(f"{', '.join(sorted(k for k in codec_params if k in AUTO_OPTIONS))} are options of "
                              f"codec='auto', not of {codec!r}")
         self.codec = resolve_codec(codec, codec_params, "the all_to_all")
-        if adam_variance not in ADAM_VARIANCES:
+        if adam_variance is not None and adam_variance not in ADAM_VARIANCES:
             raise CodecError(f"adam_variance must be one of {ADAM_VARIANCES}, got {adam_variance!r}")
-        self.adam_variance = adam_variance
-        if self.auto is None:
-            param_codec, self.param_codec_defaulted, self.param_codec_why = default_param_codec(param_codec, self.codec)
-        param_codecs = resolve_param_codec(param_codec)
+        if param_codec is not DEFAULT:  # a bad one fails here, before any collective (the default needs the layout)
+            resolve_param_codec(param_codec)
         error_feedback = opts.error_feedback_default(error_feedback, self.codec)
         if exact_embeddings is None:  # measured: helps every codec but sign (docs/fsdp.md)
             exact_embeddings = self.codec.name != "sign"
@@ -348,11 +352,33 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
         self._stats = CommStats()
         self._group: Any = None
         self.modules = self._plan(model)
-        self.world_size = self.modules[0].world_size
+        self._node_group = self._group  # the group FSDP shards over
+        self._inter_group: Any = None
+        self.topology = self._find_topology()
+        if self.topology.hierarchical:  # HSDP: every rank takes part in agreement, faults and the guard
+            if self.auto is not None:
+                raise ConfigurationError("codec='auto' prices one link; FSDP sharded inside a node (HSDP) takes a "
+                                         "codec by name (the cross-node all-reduce is what it compresses)")
+            self._group = dist.group.WORLD
+            self._inter_group = comm_topology.node_groups(self.topology, None).inter
+        if self.topology.hierarchical and adam_variance == "live":
+            raise ConfigurationError(
+                "adam_variance='live' updates Adam's variance from one node's gradient: with FSDP sharded inside "
+                "a node every node keeps a replica of the shard, and the replicas would drift apart; use 'frozen'")
+        self.adam_variance = adam_variance or ("frozen" if self.topology.hierarchical else "live")
+        self.world_size = dist.get_world_size(self._group)
         self.rank = dist.get_rank(self._group)
+        #: local gradient pieces a rank keeps velocities for (one per destination rank; HSDP: its node's shard)
+        self.chunks = 1 if self.topology.hierarchical else self.world_size
+        #: the piece added exact, with no residual (flat: this rank's own chunk; HSDP: none, all of it crosses)
+        self.own_chunk: int | None = None if self.topology.hierarchical else self.rank
+        if self.auto is None:
+            param_codec, self.param_codec_defaulted, self.param_codec_why = default_param_codec(
+                param_codec, self.codec, inside_node=self.topology.hierarchical)
+        param_codecs = resolve_param_codec(param_codec)
         requested = kind
         if kind == "auto":  # sized again below, once the optimizer (and so the local velocities) is known
-            kind = rstore.auto_kind(self.world_size)
+            kind = rstore.auto_kind(self._residual_chunks() + 1)
         self._set_kinds(kind, "float32" if requested == "auto" else kind)
         self.faults = FaultChannel.of(self._group)  # one rank's failure is every rank's error
         opts.warn_unbiased_feedback(error_feedback, self.codec)
@@ -396,7 +422,8 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
             assert not isinstance(optimizer, str)
             self._adopt_optimizer(optimizer)
         if requested == "auto":  # residuals and local velocities together within one gradient shard
-            self._set_kinds(*rstore.auto_kinds(self.world_size, self._keeps_local_velocities()))
+            self._set_kinds(*rstore.auto_kinds(self._residual_chunks() + 1, self._keeps_local_velocities(),
+                                               velocity_chunks=self.chunks))
             self._stash_velocities()  # any adopted from the optimizer's buffers above
         if verify:
             self._verify_ranks(opts.check_timeout(verify_timeout))
@@ -431,6 +458,12 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
             mesh = getattr(group.mesh_info, "shard_process_group", None)
             if mesh is None:
                 raise ConfigurationError(f"FSDP module {label!r} does not shard (a replicate-only mesh)")
+            if getattr(group.mesh_info, "replicate_process_group", None) is not None:
+                raise ConfigurationError(
+                    f"FSDP module {label!r} runs on a 2-D (replicate, shard) mesh: FSDP would all-reduce every "
+                    "gradient shard across nodes dense after commpress. Shard on the node's 1-D mesh instead "
+                    "(fully_shard(..., mesh=commpress.fsdp.node_mesh(device_type))): commpress then compresses "
+                    "the cross-node all-reduce itself")
             if self._group is None:
                 self._group = mesh
             elif dist.get_world_size(mesh) != dist.get_world_size(self._group):
@@ -458,6 +491,27 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
                 f"{type(model).__name__} holds no FSDP module: call fully_shard on it before commpress.fsdp.register"
             )
         return plans
+
+    def _find_topology(self) -> comm_topology.Topology:
+        """Flat when FSDP shards over every rank; HSDP (nodes of contiguous ranks) when it shards over fewer.
+
+        Sharded over a sub-group (``fully_shard(..., mesh=node_mesh(...))``), that group must be one node:
+        ``L`` contiguous ranks, ``L`` dividing the world (``ConfigurationError`` otherwise).
+        """
+        world, members = dist.get_world_size(), dist.get_process_group_ranks(self._group)
+        L = len(members)
+        if L == world:
+            return comm_topology.flat(world, "FSDP shards over every rank")
+        node = members[0] // L if L else 0
+        if world % L or members != list(range(node * L, node * L + L)):
+            raise ConfigurationError(
+                f"FSDP shards over ranks {members} of {world}: sharded inside a node, commpress needs every node "
+                "to hold the same number of contiguous ranks (make the mesh with commpress.fsdp.node_mesh)")
+        return comm_topology.Topology(world, L, "explicit")
+
+    def _residual_chunks(self) -> int:
+        """Pieces a rank keeps residuals for: the chunks it sends (flat), or its node's shard (HSDP)."""
+        return self.chunks - (0 if self.own_chunk is None else 1)
 
     @property
     def uses_feedback(self) -> bool:
@@ -487,7 +541,7 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
         return {
             piece_key(p.name, j): (p.chunk_numel,)
             for plan in self.modules for p in plan.params if p.compressed
-            for j in range(self.world_size) if j != self.rank
+            for j in range(self.chunks) if j != self.own_chunk
         }
 
     def _new_feedback(self) -> ErrorFeedback | None:
@@ -501,6 +555,7 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
             "residual_dtype": str(self.residual_dtype),
             "seed": self.seed,
             "world_size": self.world_size,
+            "topology": self.topology.config(),
             **self.warmup.config(),
             "momentum_rules": self.correction.rules_state(),
             "adam": self.adam is not None,
@@ -547,7 +602,7 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
             self._first_gradients.clear()
             self.keeping_first_gradients = False
             return
-        for j in range(plan.world_size):
+        for j in range(self.chunks):
             base = j * plan.chunk_numel
             for p in plan.params:
                 if p.compressed:
@@ -638,7 +693,14 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
         plans = self._shard_plans()
         for name in sorted(k for k, v in velocity.items() if k in plans and not _is_plain(v)):
             v, p = velocity.pop(name), plans[name]
-            if self._placement.get(name) == "local":
+            if self._placement.get(name) == "local" and self.topology.hierarchical:
+                if piece_key(name, 0) in velocity or piece_key(name, 0) in self._vstore.codes:
+                    continue  # a resumed run keeps the velocities it loaded
+                local = torch.zeros(p.chunk_numel, dtype=torch.float32)  # the node's velocity: the buffer's shard
+                flat = v.to_local().reshape(-1)  # type: ignore[attr-defined]
+                local[: flat.numel()] = flat
+                velocity[piece_key(name, 0)] = local
+            elif self._placement.get(name) == "local":
                 if any(piece_key(name, j) in velocity or piece_key(name, j) in self._vstore.codes
                        for j in range(self.world_size)):
                     continue  # a resumed run keeps the velocities it loaded
@@ -669,7 +731,7 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
             for p in m.params:
                 if self._placement.get(p.name) != "local":
                     continue
-                for j in range(self.world_size):
+                for j in range(self.chunks):
                     u = velocity.pop(piece_key(p.name, j), None)
                     if u is None:
                         continue
@@ -689,7 +751,7 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
             return
         stored = None if self.velocity_kind == "float32" else self._vstore
         velocity = self.correction.velocity
-        for j in range(plan.world_size):
+        for j in range(self.chunks):
             base = j * plan.chunk_numel
             for p in plan.params:
                 if self._placement.get(p.name) == "local":
@@ -717,7 +779,8 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
         (docs/fsdp.md). ``scale``: ``n`` when FSDP sums instead of averaging.
         """
         assert self.adam is not None
-        own = flat_in[self.rank * plan.chunk_numel : (self.rank + 1) * plan.chunk_numel]
+        k = 0 if self.own_chunk is None else self.own_chunk  # HSDP: flat_in is the node's mean shard
+        own = flat_in[k * plan.chunk_numel : (k + 1) * plan.chunk_numel]
         for p in plan.params:
             param = self._params[p.name]
             if id(param) not in self.adam.compressed:
@@ -795,22 +858,25 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
             raise ConfigurationError(f"module {plan.name!r}: reduce-scatter over {n} ranks, planned for {plan.world_size}")
         codec = plan.codec or self.codec
         dense = isinstance(codec, NoneCodec)
-        if dense:  # FSDP's own reduce-scatter, through the driver (its accounting)
-            slots = self._dense_slots(plan, output.numel(), n)
-        elif input.numel() != n * plan.chunk_numel:
+        if not dense and input.numel() != n * plan.chunk_numel:
             raise ConfigurationError(
                 f"module {plan.name!r}: FSDP reduce-scatters {input.numel()} elements, its parameters make "
                 f"{n * plan.chunk_numel}; a parameter got no gradient this step: call "
                 "module.set_reduce_scatter_unused_params(True) so FSDP always sends every parameter"
             )
-        else:
-            slots = self._slots(plan, n)
+        hsdp = self.topology.hierarchical
+        chunks = 1 if hsdp else n  # the pieces compressed below: one per destination, or the node's shard
         flat_in, flat_out = input.view(-1), output.view(-1)
-        if self.keeping_first_gradients:  # no optimizer= yet: its first step's local gradients start the velocities
-            self._keep_first_gradients(plan, flat_in)
-        working_set = self.feedback is not None and self.residual_kind != "float32"
         # a failure here is every rank's error; a rank waiting on a failed peer raises, never hangs
         with self.faults.guarded(f"module {plan.name!r}, reduce-scatter {plan.calls}"):
+            if hsdp:  # FSDP's own reduce-scatter inside the node (fast links): its mean (or sum) shard
+                comm.run("reducescatter-dense", flat_in, self._dense_slots(plan, output.numel(), n), group=group,
+                         stats=LevelStats(self._stats, "intra"), output=flat_out, average=average).wait()
+                flat_in = flat_out  # what crosses the nodes, reduced in place below
+            slots = self._dense_slots(plan, flat_out.numel(), chunks) if dense else self._slots(plan, chunks)
+            if self.keeping_first_gradients:  # no optimizer= yet: its first step's local gradients start the velocities
+                self._keep_first_gradients(plan, flat_in)
+            working_set = self.feedback is not None and self.residual_kind != "float32"
             if self.adam is not None and not self.adam.active and self.step >= self.warmup.steps:
                 self._start_adam()
             compressing = not dense and not self.warmup.active(self.step) and not self.guard.dense_now()
@@ -821,7 +887,8 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
             low = flat_in if self.feedback is not None and (compressing or warm is not None) and \
                 flat_in.dtype in (torch.bfloat16, torch.float16) else None
             if low is not None:
-                flat_in, flat_out = low.float(), torch.empty(flat_out.numel(), dtype=torch.float32, device=flat_out.device)
+                flat_in = low.float()
+                flat_out = flat_in if hsdp else torch.empty(flat_out.numel(), dtype=torch.float32, device=flat_out.device)
             if self.adam is not None and self.adam.active and self.adam.live_variance:
                 self._own_variance(plan, flat_in, 1.0 if average else float(n))
             self._momentum_before(plan, flat_in)
@@ -830,12 +897,19 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
             if not dense and not compressing:  # warm-up, or the guard's dense steps (flushing residuals)
                 if self.feedback is not None:
                     self._flush(slots, flat_in)
-                slots = self._dense_slots(plan, output.numel(), n) if warm is None else self._slots(plan, n, warm)
+                slots = (self._dense_slots(plan, output.numel(), chunks) if warm is None
+                         else self._slots(plan, chunks, warm))
             measured = compressing and self.guard.due(self.step)
             input_sq = self._norms_sq(slots, flat_in) if measured else 0.0
-            algorithm = "reducescatter" if compressing or warm is not None else "reducescatter-dense"
-            fut = comm.run(algorithm, flat_in, slots, group=group, stats=self._stats,
-                           output=flat_out, average=average)
+            if hsdp:  # the compressed all-reduce of the node's shard across nodes: the mean of the nodes'
+                cross = warm or codec
+                algorithm = "allreduce" if cross.summable or isinstance(cross, NoneCodec) else "allgather"
+                fut = comm.run(algorithm, flat_in, slots, group=self._inter_group,
+                               stats=LevelStats(self._stats, "inter", LevelStats.TOTALS))
+            else:
+                algorithm = "reducescatter" if compressing or warm is not None else "reducescatter-dense"
+                fut = comm.run(algorithm, flat_in, slots, group=group, stats=self._stats,
+                               output=flat_out, average=average)
             fut.wait()
             if measured:  # the encode above updated the residuals
                 self.guard.add(self._norms_sq(slots, None), input_sq)
@@ -862,7 +936,7 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
         for j in range(n):
             for p in plan.params:
                 seed = derive_seed(self.seed, plan.calls, p.index)
-                fb = self.feedback if p.compressed and j != self.rank and warm is None else None
+                fb = self.feedback if p.compressed and j != self.own_chunk and warm is None else None
                 slots.append(Slot(piece_key(p.name, j), off, (p.chunk_numel,), codec if p.compressed else dense,
                                   seed, fb))
                 off += p.chunk_numel
@@ -937,11 +1011,25 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
         With a parameter all-gather installed (``param_codec=``, or its default for a compressing
         codec), the ``allgather_*`` keys of :meth:`ParamAllGather.stats` too; ``param_codec_defaulted``
         is 1 when ``param_codec=`` was left out (:attr:`param_codec_why` says what that chose and why).
+
+        Sharded inside a node (HSDP): ``hierarchical`` (1.0 / 0.0), ``nodes``, ``local_world_size``;
+        ``intra_bytes_sent`` (FSDP's reduce-scatter inside the node) and ``inter_bytes_sent`` /
+        ``inter_bytes_wire`` (the cross-node all-reduce of the shard), per step in
+        ``*_per_step``; ``inter_compression_ratio``: the float32 shard a dense HSDP all-reduce would
+        hand over per step (``shard_bytes``) over ``inter_bytes_sent_per_step``.
         """
         s: dict[str, float] = dict(self._stats.as_dict())
         steps = max((m.calls for m in self.modules), default=0)
         s["steps"] = steps
         opts.ratio_stats(s, steps)
+        s["hierarchical"] = float(self.topology.hierarchical)
+        s["nodes"] = float(self.topology.nodes)
+        s["local_world_size"] = float(self.topology.local_world_size)
+        s["inter_bytes_sent_per_step"] = s["inter_bytes_sent"] / max(steps, 1)
+        s["intra_bytes_sent_per_step"] = s["intra_bytes_sent"] / max(steps, 1)
+        if self.topology.hierarchical:
+            s["inter_compression_ratio"] = (self.shard_bytes() / s["inter_bytes_sent_per_step"]
+                                            if s["inter_bytes_sent"] else 1.0)
         s["residual_bytes"] = self.residual_bytes()
         s["velocity_bytes"] = self.velocity_bytes()
         s["compression_state_bytes"] = s["residual_bytes"] + s["velocity_bytes"]
@@ -1021,7 +1109,7 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
         numels = self._velocity_numels()
         if self.velocity_kind == "float32":
             return numels, {}
-        local = {piece_key(n, j) for n, where in self._placement.items() if where == "local" for j in range(self.world_size)}
+        local = {piece_key(n, j) for n, where in self._placement.items() if where == "local" for j in range(self.chunks)}
         return ({k: v for k, v in numels.items() if k not in local}, {k: v for k, v in numels.items() if k in local})
 
     def _velocity_numels(self) -> dict[str, int]:
@@ -1029,7 +1117,7 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
         out = {}
         for name, p in self._shard_plans().items():
             if self._placement.get(name) == "local":
-                out.update({piece_key(name, j): p.chunk_numel for j in range(self.world_size)})
+                out.update({piece_key(name, j): p.chunk_numel for j in range(self.chunks)})
             elif name in self._placement:
                 out[name] = p.chunk_numel
         return out
