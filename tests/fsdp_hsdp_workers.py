@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from hierarchical_workers import learnable_batch as batch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -24,7 +25,6 @@ import commpress.fsdp
 from commpress.errors import ConfigurationError
 
 from ddp_workers import Net
-from hierarchical_workers import learnable_batch as batch
 from fsdp_workers import full_params, make_fsdp
 
 L = 2  # ranks per node
