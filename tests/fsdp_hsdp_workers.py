@@ -189,6 +189,11 @@ def case_layouts(rank: int) -> dict[str, Any]:
         commpress.fsdp.register(model, "topk", ratio=0.05)
     except ConfigurationError as exc:
         out["interleaved_error"] = str(exc)
+    torch.manual_seed(0)
+    tied = nn.Sequential(nn.Embedding(64, 48), nn.Linear(48, 64))  # the output projection: the table's shape
+    fully_shard(tied, mesh=commpress.fsdp.node_mesh("cpu", local_world_size=L))
+    sign = commpress.fsdp.register(tied, "sign", optimizer=None)
+    out["sign_compressed"] = {p.name: p.compressed for m in sign.modules for p in m.params}
     try:
         commpress.fsdp.register(make_hsdp(commpress.fsdp.node_mesh("cpu", local_world_size=L)), "auto")
     except ConfigurationError as exc:

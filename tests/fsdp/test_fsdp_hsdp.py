@@ -84,3 +84,8 @@ def test_bad_layouts_are_clear_errors(report: dict) -> None:
     assert "2-D (replicate, shard) mesh" in r["mesh2d_error"] and "node_mesh" in r["mesh2d_error"]
     assert "ranks [0, 2] of 4" in r["interleaved_error"] and "contiguous" in r["interleaved_error"]
     assert "codec='auto'" in r["auto_error"]
+
+
+def test_sign_keeps_embeddings_exact_under_hsdp(report: dict) -> None:
+    # flat FSDP compresses them for sign (its own chunk travels exact); sharded in the node nothing does
+    assert report["layouts"]["sign_compressed"] == {"0.weight": False, "1.weight": False, "1.bias": False}
