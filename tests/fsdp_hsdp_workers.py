@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from hierarchical_workers import learnable_batch as batch
 from torch import nn
@@ -148,6 +149,33 @@ def case_resume(rank: int, mesh: Any) -> dict[str, Any]:
             "velocities": sorted(resumed.velocities()), "residuals": sorted(resumed.residuals())}
 
 
+def case_dcp(rank: int, mesh: Any, ckpt: str) -> dict[str, Any]:
+    """The same resume through ``torch.distributed.checkpoint``: model, optimizer and ``state.dcp()`` in one save."""
+    opts = {"ratio": 0.05, "warmup_steps": 2}
+    whole, _, _ = _train(rank, mesh, "topk", opts, "sgd")
+    expected = full_params(whole)
+    first = make_hsdp(mesh)
+    opt = torch.optim.SGD(first.parameters(), lr=0.05, momentum=0.9)
+    state = commpress.fsdp.register(first, "topk", optimizer=opt, **opts)
+    for i in range(STEPS // 2):
+        step(first, opt, rank, i)
+    dcp.save({"model": first.state_dict(), "optim": opt.state_dict(), "commpress": state.dcp()}, checkpoint_id=ckpt)
+    second = make_hsdp(mesh, seed=1)
+    opt2 = torch.optim.SGD(second.parameters(), lr=0.05, momentum=0.9)
+    resumed = commpress.fsdp.register(second, "topk", optimizer=opt2, **opts)
+    sd = {"model": second.state_dict(), "optim": opt2.state_dict(), "commpress": resumed.dcp()}
+    dcp.load(sd, checkpoint_id=ckpt)
+    second.load_state_dict(sd["model"])
+    opt2.load_state_dict(sd["optim"])
+    loaded = sorted(resumed.residuals()) == sorted(state.residuals()) and all(
+        torch.equal(resumed.residuals()[k], v) for k, v in state.residuals().items())
+    for i in range(STEPS // 2, STEPS):
+        step(second, opt2, rank, i)
+    flags = torch.tensor([float(loaded), float(torch.equal(full_params(second), expected))])
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    return {"residuals_loaded": bool(flags[0]), "equal": bool(flags[1])}
+
+
 def case_nonfinite(rank: int, mesh: Any) -> dict[str, Any]:
     """An Inf on rank 3 (node 1) voids the step on every rank: NaN gradients everywhere, residuals untouched."""
     model = make_hsdp(mesh)
@@ -208,6 +236,7 @@ def worker_all(rank: int, world: int, out: str) -> None:
         "none": case_none_equals_fsdp(rank, mesh),
         "codecs": case_codecs(rank, mesh),
         "resume": case_resume(rank, mesh),
+        "dcp": case_dcp(rank, mesh, str(Path(out).parent / "dcp")),
         "nonfinite": case_nonfinite(rank, mesh),
         "layouts": case_layouts(rank),
     }

@@ -2,7 +2,7 @@
 
 4 gloo ranks as 2 nodes x 2: ``none`` equals FSDP over all ranks; every codec trains with the
 same parameters on every rank, hands fewer bytes across nodes than flat commpress with the same
-codec and keeps one shard of compression state; resume is bit-exact; a non-finite gradient voids
+codec and keeps one shard of compression state; resume (per-rank files or DCP) is bit-exact; a non-finite gradient voids
 the step everywhere; bad layouts are clear errors.
 """
 
@@ -72,6 +72,10 @@ def test_resume_is_bit_exact(report: dict) -> None:
     assert r["equal"]
     assert "h1.weight#0" in r["velocities"] and r["residuals"] == sorted(
         f"{n}.weight#0" for n in ("h1", "h2", "h3", "inp", "out"))  # one piece per parameter: the node's shard
+
+
+def test_resume_through_dcp_is_bit_exact(report: dict) -> None:
+    assert report["dcp"] == {"residuals_loaded": True, "equal": True}
 
 
 def test_a_nonfinite_gradient_voids_the_step_everywhere(report: dict) -> None:
