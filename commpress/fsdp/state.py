@@ -50,6 +50,14 @@ reduce-scatter and keeps only its shard afterwards:
   the reduce-scatter.
 
 The rank's own chunk is never compressed (added exactly), so it needs no residual.
+
+**Sharded inside a node** (HSDP: ``fully_shard(..., mesh=commpress.fsdp.node_mesh(...))``, FSDP's
+group is one node's ``L`` contiguous ranks): the comm object runs FSDP's own reduce-scatter in
+the node, then the codec's all-gather (or all-reduce) of the node's mean shard across the nodes
+over the ranks that hold the same shard (``topology``, ``chunks = 1``, ``own_chunk = None``):
+one residual and one local velocity per parameter shard, nothing travels exact; agreement,
+faults and the guard span every rank (``_group`` is the world). Adam's variance is frozen there:
+a live one would follow each node's own gradient and part the replicas.
 """
 
 from __future__ import annotations
