@@ -172,6 +172,54 @@ def case_nonfinite(rank: int) -> dict[str, Any]:
     return {"nonfinite_slots": state.stats()["nonfinite_slots"]}
 
 
+def _same_values(values: list[float], what: str) -> None:
+    mine = torch.tensor(values, dtype=torch.float64)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    assert_all_ranks(all(torch.equal(e, everyone[0]) for e in everyone), f"{what} differ across ranks: {everyone}")
+
+
+def case_auto(rank: int) -> dict[str, Any]:
+    """codec='auto' on 2 x 2: a slow network compresses through the hierarchy, a fast one goes flat
+    dense and flushes the share residuals; calibrated links and choices the same on every rank."""
+    from auto_workers import FAST, SLOW
+
+    ddp = make_ddp()
+    opt = _sgd(ddp)
+    state = commpress.ddp.register(ddp, "auto", optimizer=opt, auto_codec="topk", ratio=0.05, auto_link=SLOW,
+                                   auto_interval=4, local_world_size=L, warmup_steps=0)
+    assert state.algorithm == "hierarchical" and state.auto is not None and state.auto.links is not None
+    for step in range(4):
+        step_once(ddp, opt, rank, step)
+        assert_same_across_ranks(ddp, f"auto, slow network, step {step}")
+    slow = state.stats()
+    kept = sum(float(r.abs().sum()) for r in residuals(state.feedback).values())
+    state.auto.set_link(FAST)  # the network turns fast: at the next decision (step 8) every bucket goes dense
+    for step in range(4, 9):
+        step_once(ddp, opt, rank, step)
+        assert_same_across_ranks(ddp, f"auto, fast network, step {step}")
+    fast = state.stats()
+    left = sum(float(r.abs().sum()) for r in residuals(state.feedback).values())
+    options = [r["option"] for r in state.auto.report()]
+    # calibrated on the node groups: the same links (and choices) on every rank
+    ddp2 = make_ddp()
+    opt2 = _sgd(ddp2)
+    calibrated = commpress.ddp.register(ddp2, "auto", optimizer=opt2, local_world_size=L)
+    for step in range(3):
+        step_once(ddp2, opt2, rank, step)
+        assert_same_across_ranks(ddp2, f"auto, calibrated, step {step}")
+    links = calibrated.auto.links if calibrated.auto is not None else None
+    assert links is not None
+    c = calibrated.stats()
+    _same_values([links.intra.alpha, links.intra.beta, links.inter.alpha, links.inter.beta, links.flat.beta,
+                  *[v for k, v in sorted(c.items()) if k.endswith("_choice")]], "calibrated links and choices")
+    return {"slow_compressed_buckets": slow["auto_compressed_buckets"], "slow_inter_bytes": slow["inter_bytes_sent"],
+            "slow_intra_gbit": slow["auto_intra_gbit"], "slow_inter_gbit": slow["auto_inter_gbit"],
+            "residual_kept": kept, "residual_left": left, "fast_options": options,
+            "fast_switches": fast["auto_switches"], "calibrated_hierarchical": c["hierarchical"],
+            "calibrated_intra_gbit": c["auto_intra_gbit"], "calibrated_inter_gbit": c["auto_inter_gbit"]}
+
+
 def worker_all(rank: int, world: int, outdir: str, steps: int) -> None:
     """Every scenario, in order; rank 0 writes ``hierarchical.json``."""
     report = {
@@ -181,6 +229,7 @@ def worker_all(rank: int, world: int, outdir: str, steps: int) -> None:
         "nonfinite": case_nonfinite(rank),
         "topology": case_topology(rank),
         "flush": case_flush(rank, world),
+        "auto": case_auto(rank),
     }
     if rank == 0:
         Path(outdir, "hierarchical.json").write_text(json.dumps(report, indent=1))
@@ -234,11 +283,11 @@ def case_topology(rank: int) -> dict[str, str]:
 
     out: dict[str, str] = {}
     for label, kwargs in (("L=3", {"local_world_size": 3}), ("L=0", {"local_world_size": 0}),
-                          ("auto", {"local_world_size": 2}), ("by-name", {"algorithm": "hierarchical"}),
+                          ("by-name", {"algorithm": "hierarchical"}),
                           ("disagree", {"local_world_size": 2} if rank < 2 else {})):
         ddp = make_ddp()
         try:
-            commpress.ddp.register(ddp, "auto", **kwargs) if label == "auto" else commpress.ddp.register(ddp, "topk", ratio=0.01, **kwargs)
+            commpress.ddp.register(ddp, "topk", ratio=0.01, **kwargs)
             out[label] = ""
         except Exception as exc:  # noqa: BLE001 - reported to the test
             out[label] = f"{type(exc).__name__}: {exc}"

@@ -38,6 +38,12 @@ contention between ranks sharing cores), per-element costs measured at one size 
 its bytes is timed on the group itself (:func:`calibrate_cast`), and so is the compressed path
 (:func:`calibrate_compressed` rescales encode and decode to match it).
 
+**Several nodes** (DDP's ``codec="auto"`` on a hierarchical layout, :mod:`.hierarchical`): three
+links (:class:`NodeLinks`: the whole group's, the node's, across nodes), each calibrated on its own
+group; :func:`predict_hierarchical` prices dense and fp16 as flat all-reduces over the whole group
+and ``compressed`` as the hierarchical path: a dense all_to_all in the node, the codec's algorithm
+on ``1/L`` of the buffer among the ``nodes`` ranks of one local rank, a dense all_gather in the node.
+
 **Sharded training** (FSDP's ``codec="auto"``, :mod:`commpress.fsdp.auto`): one module's
 gradient reduce-scatter (:func:`predict_reduce_scatter`: torch's ring reduce-scatter, or the
 ``reducescatter`` all_to_all of a cast or a codec's frames) and its parameter all-gathers of one
@@ -172,6 +178,15 @@ def wire_time(link: Link, plan: dict[str, float], n: int) -> float:
             + link.alltoall(plan["alltoall"], n))
 
 
+def exact_options(numel: int, n: int, link: Link, device: DeviceCost, dtype: torch.dtype) -> dict[str, float]:
+    """``dense`` (all-reduce plus the division's pass) and ``fp16`` (half the bytes plus the cast; float32/64 only)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    out = {"dense": link.allreduce(size * numel, n) + device.pass_s * numel}
+    if dtype in (torch.float32, torch.float64):
+        out["fp16"] = link.allreduce(2 * numel, n) + device.cast_s * numel
+    return out
+
+
 def predict(
     entries: Sequence[Entry],
     n: int,
@@ -191,14 +206,74 @@ def predict(
     """
     numel = sum(e.numel for e in entries)
     nc = sum(e.numel for e in entries if e.compressed)
-    size = torch.empty((), dtype=dtype).element_size()
-    out = {"dense": link.allreduce(size * numel, n) + device.pass_s * numel}
-    if dtype in (torch.float32, torch.float64):
-        out["fp16"] = link.allreduce(2 * numel, n) + device.cast_s * numel
+    out = exact_options(numel, n, link, device, dtype)
     plan = compressed_plan(entries, codec, algorithm, n, dtype)
     wire = wire_time(link, plan, n)
     work = nc * (device.encode_s + plan["decodes"] * device.decode_s + device.mask_s)
     work += (numel - nc) * device.pass_s * plan["decodes"] + (2 * device.pass_s + device.momentum_s) * numel
+    out["compressed"] = wire + work
+    return out
+
+
+@dataclass(frozen=True)
+class NodeLinks:
+    """The three links of a cluster of nodes.
+
+    ``flat``: all-reduces over every rank (what dense and fp16 run on); ``intra``: the ranks of one
+    node; ``inter``: one rank per node, across the slow network.
+    """
+
+    flat: Link
+    intra: Link
+    inter: Link
+
+
+def share_entries(entries: Sequence[Entry], local_world_size: int, align: int = 1) -> list[Entry]:
+    """The widest local rank's share of each entry (its ``1/L`` piece, cut as :mod:`.hierarchical` cuts it)."""
+    # twophase imports the driver; keep this module's imports light
+    from .twophase import piece_bounds
+
+    widest = 0
+    cuts = [piece_bounds(e.numel, local_world_size, align) for e in entries]
+    for k in range(local_world_size):
+        if sum(c[k][1] - c[k][0] for c in cuts) > sum(c[widest][1] - c[widest][0] for c in cuts):
+            widest = k
+    return [Entry(c[widest][1] - c[widest][0], e.compressed) for e, c in zip(entries, cuts)]
+
+
+def predict_hierarchical(
+    entries: Sequence[Entry],
+    nodes: int,
+    local_world_size: int,
+    links: NodeLinks,
+    device: DeviceCost,
+    codec: Codec,
+    inner: str,
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, float]:
+    """:func:`predict` for a buffer on ``nodes`` nodes of ``local_world_size`` ranks, per option.
+
+    ``dense`` and ``fp16``: flat all-reduces over all ``nodes * L`` ranks on ``links.flat``.
+    ``compressed``: the hierarchical path: a dense all_to_all of the buffer on ``links.intra``, the
+    ``inner`` algorithm's collectives of this rank's share (:func:`share_entries`) among ``nodes``
+    ranks on ``links.inter``, a dense all_gather of the share on ``links.intra``; its work: the
+    codec's encode and decodes of the share, ``L`` passes over the share (summing the node's
+    copies) and, over the whole buffer, three passes (packing, copying the gathered shares back,
+    the finiteness check) and the hook's velocity update.
+    """
+    L = local_world_size
+    numel = sum(e.numel for e in entries)
+    size = torch.empty((), dtype=dtype).element_size()
+    out = exact_options(numel, nodes * L, links.flat, device, dtype)
+    shares = share_entries(entries, L, codec.block_alignment())
+    share = sum(e.numel for e in shares)
+    nc = sum(e.numel for e in shares if e.compressed)
+    plan = compressed_plan(shares, codec, inner, nodes, dtype)
+    wire = (links.intra.alltoall(size * numel, L) + wire_time(links.inter, plan, nodes)
+            + links.intra.allgather(size * share, L))
+    work = nc * (device.encode_s + plan["decodes"] * device.decode_s + device.mask_s)
+    work += (share - nc) * device.pass_s * plan["decodes"] + L * device.pass_s * share
+    work += (3 * device.pass_s + device.momentum_s) * numel
     out["compressed"] = wire + work
     return out
 
@@ -414,8 +489,8 @@ def calibrate_cast(link: Link, group: Any = None, device: torch.device | str = "
 
 def calibrate_compressed(
     codec: Codec,
-    algorithm: str,
-    link: Link,
+    algorithm: str | Any,
+    link: Link | NodeLinks,
     cost: DeviceCost,
     *,
     feedback: bool,
@@ -430,21 +505,25 @@ def calibrate_compressed(
     packing, the collectives, fresh receive and accumulation buffers, decode) for one buffer of
     ``numel`` elements, and scales encode and decode by (measured - predicted wire time) /
     predicted CPU work: the parts :func:`calibrate_device` times alone missed 10-30% of the
-    compressed steps of the 17M MLP. MAX over ranks (a collective: every rank calls it).
+    compressed steps of the 17M MLP. ``algorithm``: a registered name, or a bound
+    :class:`~.hierarchical.Hierarchical` with ``link`` a :class:`NodeLinks` (priced by
+    :func:`predict_hierarchical`). MAX over ranks (a collective: every rank calls it).
     """
-    from . import run  # the package imports this module's users, not the other way round
+    from . import get, run  # the package imports this module's users, not the other way round
+    from .hierarchical import Hierarchical
 
+    impl = algorithm if not isinstance(algorithm, str) else get(algorithm)
     n = dist.get_world_size(group)
     side = max(1, math.isqrt(numel))
     x = torch.randn(side, side, generator=torch.Generator().manual_seed(1)).to(device)
     buf = torch.empty(x.numel(), dtype=x.dtype, device=device)
     ef = ErrorFeedback(codec) if feedback else None
-    server = ErrorFeedback(codec) if feedback and algorithm == "twophase" else None
+    server = ErrorFeedback(codec) if feedback and impl.server_feedback else None
     slots = [Slot("calibration", 0, tuple(x.shape), codec, 7, ef)]
 
     def once() -> None:
         buf.copy_(x.reshape(-1))
-        run(algorithm, buf, slots, group=group, server_feedback=server).wait()
+        run(impl, buf, slots, group=group, server_feedback=server).wait()
 
     # one run spans every rank, so a rank descheduled for a moment (4 ranks on 2 cores) stalls
     # them all: the median of 3 once scaled sign's encode 10x (11.3 ns/element against 3.5-3.8
@@ -452,11 +531,27 @@ def calibrate_compressed(
     # and the least of 5 predicted compressed steps 10-16% short (it also drops real contention)
     t = max_over_ranks([_median_time(once, reps)], group, device)[0]
     entries = [Entry(x.numel(), True)]
-    plan = compressed_plan(entries, codec, algorithm, n, x.dtype)
-    wire = wire_time(link, plan, n)
     # the timed path has no velocity update: leave the momentum out of the work it is set against
     path_cost = dataclasses.replace(cost, momentum_s=0.0)
-    work = predict(entries, n, link, path_cost, codec, algorithm, x.dtype)["compressed"] - wire
+    free = dataclasses.replace(path_cost, encode_s=0.0, decode_s=0.0, pass_s=0.0, mask_s=0.0)
+    if isinstance(impl, Hierarchical):
+        if not isinstance(link, NodeLinks) or impl.topology is None or impl.inner is None:
+            raise CodecError("calibrating the hierarchical path needs a bound Hierarchical and NodeLinks")
+        topo, inner = impl.topology, impl.inner.name
+
+        def price(c: DeviceCost) -> float:
+            assert isinstance(link, NodeLinks)
+            return predict_hierarchical(entries, topo.nodes, topo.local_world_size, link, c, codec, inner,
+                                        x.dtype)["compressed"]
+    else:
+        if not isinstance(link, Link):
+            raise CodecError(f"calibrating algorithm {impl.name!r} needs one Link, got {link!r}")
+
+        def price(c: DeviceCost) -> float:
+            assert isinstance(link, Link)
+            return predict(entries, n, link, c, codec, impl.name, x.dtype)["compressed"]
+    wire = price(free)
+    work = price(path_cost) - wire
     factor = path_factor(t, wire, work)
     return dataclasses.replace(cost, encode_s=cost.encode_s * factor, decode_s=cost.decode_s * factor)
 
@@ -572,7 +667,8 @@ def calibrate_codecs(
 
 
 __all__ = [
-    "CALIBRATION_BYTES", "CALIBRATION_NUMEL", "OPTIONS", "SHARDED_OPTIONS", "DeviceCost", "Entry", "Link", "best",
+    "CALIBRATION_BYTES", "CALIBRATION_NUMEL", "OPTIONS", "SHARDED_OPTIONS", "DeviceCost", "Entry", "Link", "NodeLinks",
+    "best", "exact_options", "predict_hierarchical", "share_entries",
     "calibrate_cast", "calibrate_codecs", "calibrate_compressed", "calibrate_device", "calibrate_link", "check_link",
     "compressed_plan", "fit_link", "max_over_ranks", "path_factor", "predict", "path_overhead", "predict_all_gather",
     "predict_reduce_scatter", "sharded_wire_time", "time_over_ranks", "wire_time",

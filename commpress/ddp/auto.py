@@ -25,6 +25,17 @@ usual, e.g. ``auto_codec="topk", ratio=0.01``) and attaches an :class:`AutoPolic
    behind the other buckets' collectives and for backward's compute (on loopback a 70 KB bucket
    measured 6-11 ms against 1.4 ms predicted), which no option changes.
 
+**Several nodes.** On a hierarchical layout (``local_world_size=``, or torchrun's variables:
+:mod:`commpress.comm.topology`) ``compressed`` is the hierarchical path (dense in the node, the
+candidate across nodes on each rank's share: :mod:`commpress.comm.hierarchical`) while ``dense``
+and ``fp16`` stay DDP's flat all-reduces over every rank. Calibration then fits three links (the
+whole group's, the node's, across nodes: :class:`~commpress.comm.costmodel.NodeLinks`), each on its
+own group, MAX over every rank, and :func:`~commpress.comm.costmodel.predict_hierarchical` prices
+the options: on a fast network flat dense wins, on a slow one the hierarchy's ``1/L`` share across
+nodes does, and where the node's own links are slow (TCP over loopback on an emulated cluster) the
+node's two dense stages count against it. ``auto_link`` is then the link across nodes (and the flat
+one); the node's link is always measured.
+
 Error feedback is carried across switches: a bucket that goes dense or fp16 after compressed
 steps first flushes its residuals into the gradient (:meth:`CompressionState.flush_residuals`, as
 the divergence guard's dense steps do), so nothing held back is lost; compressing again starts
@@ -55,19 +66,23 @@ import torch.distributed as dist
 
 from .. import comm
 from ..codecs import Codec
-from ..comm import CommStats
+from ..comm import CommStats, Hierarchical
 from ..comm.costmodel import (
     OPTIONS,
     DeviceCost,
     Entry,
     Link,
+    NodeLinks,
     best,
     calibrate_cast,
     calibrate_compressed,
     calibrate_device,
     calibrate_link,
     compressed_plan,
+    max_over_ranks,
     predict,
+    predict_hierarchical,
+    share_entries,
 )
 from ..comm.faults import wait
 from ..errors import CodecError
@@ -88,6 +103,8 @@ class AutoInputs:
 
     ``flush(plan, buffer)`` adds a bucket's residuals into a dense step's gradients and zeroes
     them (``CompressionState.flush_residuals``); ``counters`` are the collectives' counters.
+    ``hierarchy``: the bound hierarchical algorithm the compressed option runs on several nodes
+    (its node groups connected before calibration), else None.
     """
 
     codec: Codec
@@ -99,6 +116,7 @@ class AutoInputs:
     momentum: bool
     counters: CommStats
     flush: Callable[[BucketPlan, torch.Tensor], None]
+    hierarchy: Hierarchical | None = None
 
 
 @dataclass
@@ -170,6 +188,7 @@ class AutoPolicy:
         self.margin = float(margin)
         self._given = (link, device)
         self.link = link
+        self.links: NodeLinks | None = None  # several nodes: the three links (flat is self.link)
         self.device_cost = device
         self.state: AutoInputs | None = None
         self.tensor_device: torch.device = torch.device("cpu")
@@ -238,8 +257,32 @@ class AutoPolicy:
     # ----- calibration ----------------------------------------------------------------------
     @property
     def calibrated(self) -> bool:
-        """True once link and device costs are known."""
-        return self.link is not None and self.device_cost is not None
+        """True once link and device costs are known (on several nodes: all three links)."""
+        nodes_known = self.state is None or self.state.hierarchy is None or self.links is not None
+        return self.link is not None and self.device_cost is not None and nodes_known
+
+    def _calibrate_nodes(self, h: Hierarchical) -> NodeLinks:
+        """The node's and the cross-node links, each timed on its own groups at once, MAX over every rank.
+
+        Every node times its own node group while the others do, and every local rank its
+        cross-node group while the other local ranks do: as the hierarchical path runs, its ``L``
+        shares crossing the network together. A given ``auto_link`` is the cross-node link.
+        """
+        state = self._state()
+        assert self.link is not None
+        if h.groups is None:
+            h.connect(state.group)
+        assert h.groups is not None
+        intra = calibrate_link(h.groups.intra, self.tensor_device)
+        inter = self._given[0] or calibrate_link(h.groups.inter, self.tensor_device)
+        a = max_over_ranks([intra.alpha, intra.beta, inter.alpha, inter.beta], state.group, self.tensor_device)
+        return NodeLinks(self.link, Link(a[0], a[1]), Link(a[2], a[3]))
+
+    @property
+    def _algorithm(self) -> str:
+        """The compressed option's algorithm: the state's, or across nodes the hierarchy's inner one."""
+        state = self._state()
+        return state.algorithm if state.hierarchy is None or state.hierarchy.inner is None else state.hierarchy.inner.name
 
     def calibrate(self) -> None:
         """Measure what was not given (collectives on the state's group: every rank calls this)."""
@@ -247,6 +290,8 @@ class AutoPolicy:
         t = time.perf_counter()
         if self.link is None:
             self.link = calibrate_link(state.group, self.tensor_device)
+        if state.hierarchy is not None and self.links is None:
+            self.links = self._calibrate_nodes(state.hierarchy)
         if self.device_cost is None:
             self.device_cost = calibrate_device(
                 state.codec, feedback=state.feedback, masking=state.masking, momentum=state.momentum,
@@ -257,20 +302,29 @@ class AutoPolicy:
                 # time for their bytes (with a given link that time is not the group's: skipped)
                 c = self.device_cost
                 cast = calibrate_cast(self.link, state.group, self.tensor_device)
+                path = state.hierarchy if state.hierarchy is not None else state.algorithm
                 self.device_cost = calibrate_compressed(
-                    state.codec, state.algorithm, self.link, dataclasses.replace(c, cast_s=cast),
+                    state.codec, path, self.links or self.link, dataclasses.replace(c, cast_s=cast),
                     feedback=state.feedback, group=state.group, device=self.tensor_device,
                 )
         self.calibration_s = time.perf_counter() - t
         logger.info("commpress auto: link alpha %.1f us, %.2f Gbit/s; %r encode %.2f ns/element, decode %.2f "
                     "(calibrated in %.2f s)", self.link.alpha * 1e6, self.link.gbit, state.codec,
                     self.device_cost.encode_s * 1e9, self.device_cost.decode_s * 1e9, self.calibration_s)
+        if self.links is not None:
+            logger.info("commpress auto: in the node %.2f Gbit/s, across nodes %.2f Gbit/s",
+                        self.links.intra.gbit, self.links.inter.gbit)
 
     def set_link(self, link: Link) -> None:
-        """Use ``link`` from now on (every bucket is predicted again; they may switch at the next decision)."""
+        """Use ``link`` from now on (every bucket is predicted again; they may switch at the next decision).
+
+        On several nodes it is the network's: the flat and the cross-node link (the node's stays).
+        """
         if not isinstance(link, Link):
             raise CodecError(f"link must be a Link, got {link!r}")
         self.link = link
+        if self.links is not None:
+            self.links = NodeLinks(link, self.links.intra, link)
         for b in self._buckets.values():
             b.predicted = self._predict(b.entries, b.dtype)
 
@@ -280,7 +334,13 @@ class AutoPolicy:
         if not self.calibrated:
             self.calibrate()  # verify=False: the first bucket, after the deferred check
         assert self.link is not None and self.device_cost is not None
-        out = predict(entries, state.world_size, self.link, self.device_cost, state.codec, state.algorithm, dtype)
+        h = state.hierarchy
+        if h is not None and h.topology is not None:
+            assert self.links is not None
+            out = predict_hierarchical(entries, h.topology.nodes, h.topology.local_world_size, self.links,
+                                       self.device_cost, state.codec, self._algorithm, dtype)
+        else:
+            out = predict(entries, state.world_size, self.link, self.device_cost, state.codec, state.algorithm, dtype)
         if not any(e.compressed for e in entries):
             out.pop("compressed")  # nothing to compress: dense frames would only cost more
         return out
@@ -292,11 +352,9 @@ class AutoPolicy:
             entries = tuple(Entry(p.numel, p.compressed) for p in plan.params)
             dtype = plan.params[0].dtype if plan.params else torch.float32
             predicted = self._predict(entries, dtype)
+            encoded, decodes = self._encoded(entries)
             b = BucketChoice(index, entries, predicted, "dense", "dense: no option predicted faster by the margin",
-                             dtype=dtype,
-                             compressed_numel=sum(e.numel for e in entries if e.compressed),
-                             decodes=compressed_plan(entries, self._state().codec, self._state().algorithm,
-                                                     self._state().world_size)["decodes"])
+                             dtype=dtype, compressed_numel=encoded, decodes=decodes)
             self.decide(b, first=True)
             self._buckets[id(plan)] = b
         b.index = index
@@ -304,6 +362,17 @@ class AutoPolicy:
         self._this_step[index] = b
         self._used[id(plan)] = b
         return b.option
+
+    def _encoded(self, entries: tuple[Entry, ...]) -> tuple[int, float]:
+        """Elements this rank encodes when the bucket compresses, and the packets each is decoded from."""
+        state = self._state()
+        h = state.hierarchy
+        if h is not None and h.topology is not None:  # the share only, among the nodes
+            shares = share_entries(entries, h.topology.local_world_size, state.codec.block_alignment())
+            plan = compressed_plan(shares, state.codec, self._algorithm, h.topology.nodes)
+            return sum(e.numel for e in shares if e.compressed), plan["decodes"]
+        plan = compressed_plan(entries, state.codec, state.algorithm, state.world_size)
+        return sum(e.numel for e in entries if e.compressed), plan["decodes"]
 
     def reduce(self, plan: BucketPlan, buffer: torch.Tensor, option: str) -> torch.futures.Future[torch.Tensor]:
         """Reduce a bucket dense or as fp16, first flushing residuals left by compressed steps."""
@@ -428,6 +497,11 @@ class AutoPolicy:
         if self.link is not None:
             s["auto_link_alpha_s"] = self.link.alpha
             s["auto_link_gbit"] = self.link.gbit if math.isfinite(self.link.gbit) else 0.0
+        if self.links is not None:
+            for level in ("intra", "inter"):
+                link = getattr(self.links, level)
+                s[f"auto_{level}_alpha_s"] = link.alpha
+                s[f"auto_{level}_gbit"] = link.gbit if math.isfinite(link.gbit) else 0.0
         if self.device_cost is not None:
             s["auto_encode_ns"] = self.device_cost.encode_s * 1e9
             s["auto_decode_ns"] = self.device_cost.decode_s * 1e9

@@ -106,8 +106,9 @@ class CompressionState(DDPCheckpoint, LogsStats):
             nodes (:mod:`commpress.comm.hierarchical`); the world must be ``nodes x L`` with the
             ranks of a node contiguous, else a :class:`~commpress.errors.ConfigurationError`.
             ``None`` (default): torchrun's ``LOCAL_WORLD_SIZE`` / ``GROUP_RANK`` when they describe such a
-            layout on every rank, else flat (logged; :mod:`commpress.comm.topology`). ``codec="auto"``
-            runs flat (its cost model knows one link).
+            layout on every rank, else flat (logged; :mod:`commpress.comm.topology`). With
+            ``codec="auto"`` its compressed option is the hierarchical path and its cost model
+            calibrates the node's link and the cross-node link apart (:mod:`commpress.ddp.auto`).
         verify: at construction, compare a digest of the configuration and model across ranks
             through the process group's store (no collective): ranks configured differently fail
             with a :class:`~commpress.errors.ConfigurationError` naming what differs, and a rank that
@@ -160,10 +161,14 @@ class CompressionState(DDPCheckpoint, LogsStats):
             optimizer = None
         assert optimizer is None or not isinstance(optimizer, str)
         auto = None
+        known: topology.Topology | None = None  # resolved early for auto: its candidate depends on the nodes
         if isinstance(codec, str) and codec == "auto":
             codec_params = dict(codec_params)
             group = process_group if process_group is not None else getattr(model, "process_group", None)
-            ranks = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 2
+            ranks = 2
+            if dist.is_available() and dist.is_initialized():
+                known = topology.resolve(group, local_world_size, opts.check_timeout(verify_timeout))
+                ranks = known.nodes  # the ranks of the compressed hop: every rank, or one per node
             codec, auto = AutoPolicy.from_options(codec_params, optimizer, momentum, ranks)  # the candidate codec and the policy
         self.codec = comm.resolve_codec(codec, codec_params, "DDP's collectives")
         error_feedback = opts.error_feedback_default(error_feedback, self.codec)
@@ -195,8 +200,7 @@ class CompressionState(DDPCheckpoint, LogsStats):
         # a failure on one rank becomes every rank's error (see FaultChannel): a watcher thread
         # blocked on the store, nothing per step
         self.faults = FaultChannel.of(process_group)
-        self._resolve_topology(process_group, local_world_size, algorithm, auto is not None,
-                               opts.check_timeout(verify_timeout))
+        self._resolve_topology(process_group, local_world_size, algorithm, opts.check_timeout(verify_timeout), known)
         self.error_feedback = error_feedback
         self.step = 0
         self._stats_log: StatsLogger | None = None  # log_to's
@@ -251,17 +255,13 @@ class CompressionState(DDPCheckpoint, LogsStats):
             if self.auto is not None:  # after the check (verify=False: at the first bucket)
                 self.auto.calibrate()
 
-    def _resolve_topology(self, group: Any, local_world_size: int | None, algorithm: str, auto: bool,
-                          timeout_s: float) -> None:
-        """Set ``topology``, ``algorithm`` (a name), ``inner_algorithm`` and ``algorithm_impl`` (what the hook runs)."""
-        topo = topology.resolve(group, local_world_size, timeout_s)
-        if topo.hierarchical and auto:
-            if topo.source == "explicit":
-                raise ConfigurationError("codec='auto' runs flat for now (its cost model knows one link): "
-                                         "drop local_world_size= or name a codec")
-            logger.info("commpress: codec='auto' runs flat (its cost model knows one link), not on the %d x %d nodes "
-                        "torchrun describes", topo.nodes, topo.local_world_size)
-            topo = topology.flat(self.world_size, "codec='auto'")
+    def _resolve_topology(self, group: Any, local_world_size: int | None, algorithm: str, timeout_s: float,
+                          known: topology.Topology | None = None) -> None:
+        """Set ``topology``, ``algorithm`` (a name), ``inner_algorithm`` and ``algorithm_impl`` (what the hook runs).
+
+        ``known``: the topology already resolved (``codec="auto"`` resolves it first), else resolved here.
+        """
+        topo = known if known is not None else topology.resolve(group, local_world_size, timeout_s)
         self.topology = topo
         if not topo.hierarchical:
             if algorithm == "hierarchical":
@@ -334,6 +334,7 @@ class CompressionState(DDPCheckpoint, LogsStats):
             codec=self.codec, algorithm=self.algorithm, world_size=self.world_size, group=self.process_group,
             feedback=self.feedback is not None, masking=self.momentum_masking and self.feedback is not None,
             momentum=bool(self.momentum_rules), counters=self._stats, flush=self.flush_residuals,
+            hierarchy=self.algorithm_impl if isinstance(self.algorithm_impl, Hierarchical) else None,
         )
 
     def config(self) -> dict[str, Any]:

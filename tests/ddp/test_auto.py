@@ -14,11 +14,15 @@ from commpress.comm.costmodel import (
     DeviceCost,
     Entry,
     Link,
+    NodeLinks,
     best,
     calibrate_device,
     compressed_plan,
     fit_link,
     predict,
+    predict_hierarchical,
+    share_entries,
+    wire_time,
 )
 from commpress.ddp.auto import AutoPolicy, BucketChoice
 from commpress.wire.frame import FrameLayout
@@ -107,6 +111,34 @@ def test_predict_chooses_by_link_speed() -> None:
     # bf16 buckets have no fp16 option; ties go to the earlier option
     assert "fp16" not in predict(BIG, 2, Link.from_gbit(10), CPU, topk, "allgather", torch.bfloat16)
     assert best({"dense": 1.0, "fp16": 1.0, "compressed": 1.0}) == "dense"
+
+
+def test_predict_hierarchical_prices_three_links() -> None:
+    """Dense and fp16 run flat on the whole group's link; compressed pays the node's two dense stages on
+    the node's link and the codec on 1/L of the buffer among the nodes on the cross-node link."""
+    topk = commpress.codecs.get("topk", ratio=0.01)
+    numel = sum(e.numel for e in BIG)
+    free = DeviceCost(0.0, 0.0, 0.0, 0.0)
+    net = Link.from_gbit(1)
+    nvlink, loopback = Link.from_gbit(1000), Link.from_gbit(8)
+    shares = share_entries(BIG, 4)
+    assert sum(e.numel for e in shares) == pytest.approx(numel / 4, abs=4) and [e.compressed for e in shares] == [True, False]
+    # nothing but the wire: compressed = all_to_all + the share's all-gather among 2 nodes + all_gather
+    out = predict_hierarchical(BIG, 2, 4, NodeLinks(net, nvlink, net), free, topk, "allgather")
+    share_wire = wire_time(net, compressed_plan(shares, topk, "allgather", 2), 2)
+    intra = nvlink.alltoall(4 * numel, 4) + nvlink.allgather(4 * sum(e.numel for e in shares), 4)
+    assert out["compressed"] == pytest.approx(share_wire + intra)
+    assert out["dense"] == pytest.approx(net.allreduce(4 * numel, 8))  # flat over all 8 ranks
+    # across nodes the share costs about 1/L of what a flat 8-rank all-gather of the whole costs
+    flat = predict(BIG, 8, net, free, topk, "allgather")["compressed"]
+    assert out["compressed"] < 0.2 * flat
+    # a slow network: compress; a fast one: flat dense; slow links inside the node count against the hierarchy
+    assert best(predict_hierarchical(BIG, 2, 4, NodeLinks(net, nvlink, net), CPU, topk, "allgather")) == "compressed"
+    fast = Link.from_gbit(400)
+    assert best(predict_hierarchical(BIG, 2, 4, NodeLinks(fast, nvlink, fast), CPU, topk, "allgather")) == "dense"
+    slow_node = predict_hierarchical(BIG, 2, 4, NodeLinks(net, loopback, net), CPU, topk, "allgather")
+    fast_node = predict_hierarchical(BIG, 2, 4, NodeLinks(net, nvlink, net), CPU, topk, "allgather")
+    assert slow_node["compressed"] > fast_node["compressed"] + 0.05 and slow_node["dense"] == fast_node["dense"]
 
 
 def test_calibrate_device_single_process() -> None:
