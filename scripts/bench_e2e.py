@@ -400,6 +400,23 @@ def tta_main(args: argparse.Namespace) -> int:
 
 
 # ----- an emulated cluster (--nodes, --local-world-size) -----------------------------------------
+def cross_node_claim(r: dict[str, Any], node: int, hier_local: int, local: int) -> float:
+    """What node ``node``'s ranks claim to send across nodes per step.
+
+    Hierarchical (``hier_local`` = L): the node's ranks' ``inter_bytes_wire``, plus the flat collectives
+    over every rank (``codec="auto"``'s dense and fp16 buckets: a rank's wire bytes beyond both
+    levels) of one rank, as a ring crosses each node boundary once; flat: one rank's wire bytes.
+    """
+    first = node * local
+    claimed = r["claimed_wire_bytes_per_step_by_rank"][first]
+    if hier_local == 1:
+        return claimed
+    inter = r["inter_bytes_wire_per_step_by_rank"]
+    intra = r.get("intra_bytes_wire_per_step_by_rank")  # absent in runs from before auto ran hierarchical
+    flat = 0.0 if intra is None else max(claimed - inter[first] - intra[first], 0.0)
+    return sum(inter[first : first + local]) + flat
+
+
 def cluster_table(data: dict[str, Any], nodes: int, local: int) -> list[str]:
     """Cross-node bytes per node and step: the hook's claim against the node link's tx counter."""
     lines = ["| method | layout | claimed across nodes / node / step | measured (link tx) / node / step | measured / claimed |",
@@ -407,8 +424,7 @@ def cluster_table(data: dict[str, Any], nodes: int, local: int) -> list[str]:
     for r in data["results"]:
         topo = r["topology"] or {"nodes": nodes * local, "local_world_size": 1}
         hier = topo["local_world_size"] > 1
-        claimed = ([sum(r["inter_bytes_wire_per_step_by_rank"][n * local : (n + 1) * local]) for n in range(nodes)]
-                   if hier else [r["claimed_wire_bytes_per_step_by_rank"][n * local] for n in range(nodes)])
+        claimed = [cross_node_claim(r, n, local if hier else 1, local) for n in range(nodes)]
         meas = [sum(r["measured_wire_bytes_per_step"][n * local : (n + 1) * local]) / local for n in range(nodes)]
         if min(meas) < 0:
             measured_text, ratio = "n/a (link not readable)", "-"

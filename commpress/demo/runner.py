@@ -285,9 +285,11 @@ def run_method(method: str, work: Workload, steps: int, warmup: int, eval_every:
         claimed_wire = claimed * 2 * (world - 1) / world  # ring all-reduce per rank
         ratio = 4 * numel / claimed
     inter_wire = 0.0 if state is None else stats["inter_bytes_wire"] / max(timed, 1)
-    # per rank: bytes its interface transmitted, the wire bytes it claims, of which across nodes
-    mine = torch.tensor([-1.0 if tx0 is None or tx1 is None else (tx1 - tx0) / max(timed, 1), claimed_wire, inter_wire],
-                        dtype=torch.float64)
+    intra_wire = 0.0 if state is None else stats["intra_bytes_wire"] / max(timed, 1)
+    # per rank: bytes its interface transmitted, the wire bytes it claims, of which across nodes and inside
+    # the node by the hierarchical path (the rest: flat collectives over every rank, e.g. auto's dense buckets)
+    mine = torch.tensor([-1.0 if tx0 is None or tx1 is None else (tx1 - tx0) / max(timed, 1), claimed_wire, inter_wire,
+                         intra_wire], dtype=torch.float64)
     gathered = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(gathered, mine)
     auto = getattr(state, "auto", None)
@@ -309,6 +311,7 @@ def run_method(method: str, work: Workload, steps: int, warmup: int, eval_every:
         "measured_wire_bytes_per_step": [float(t[0]) for t in gathered],
         "claimed_wire_bytes_per_step_by_rank": [float(t[1]) for t in gathered],
         "inter_bytes_wire_per_step_by_rank": [float(t[2]) for t in gathered],
+        "intra_bytes_wire_per_step_by_rank": [float(t[3]) for t in gathered],
         "topology": None if state is None else state.topology.config(),
         "compression_ratio": ratio,
         # the hierarchical algorithm's bytes handed over across nodes (0 when flat), and all of them

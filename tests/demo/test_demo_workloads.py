@@ -93,11 +93,16 @@ def test_cluster_table_puts_each_node_link_next_to_the_hook_claim():
         {"method": "cp-topk", "topology": {"nodes": 4, "local_world_size": 1, "source": "explicit"},
          "claimed_wire_bytes_per_step_by_rank": [30.0] * 4, "inter_bytes_wire_per_step_by_rank": [0.0] * 4,
          "measured_wire_bytes_per_step": [-1.0] * 4},
+        # codec="auto" on 2 x 2: some buckets hierarchical (inter 20, intra 60), the rest flat over every rank (300)
+        {"method": "cp-auto", "topology": {"nodes": 2, "local_world_size": 2, "source": "torchrun"},
+         "claimed_wire_bytes_per_step_by_rank": [380.0] * 4, "inter_bytes_wire_per_step_by_rank": [20.0] * 4,
+         "intra_bytes_wire_per_step_by_rank": [60.0] * 4, "measured_wire_bytes_per_step": [340.0] * 4},
     ]}
     lines = bench.cluster_table(data, nodes=2, local=2)
     assert lines[2].endswith("| flat | 300, 300 | 315, 300 | 1.02 |")
     assert lines[3].endswith("| 2 x 2, hierarchical (detected) | 100, 80 | 110, 90 | 1.11 |")
     assert "n/a" in lines[4] and lines[4].endswith("| - |")
+    assert lines[5].endswith("| 2 x 2, hierarchical (detected) | 340, 340 | 340, 340 | 1.00 |")
 
 
 def test_wide_digits_is_the_17m_sgd_workload_with_accuracy():
