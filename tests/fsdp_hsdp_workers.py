@@ -245,3 +245,21 @@ def worker_all(rank: int, world: int, out: str) -> None:
     report["all_meshes"] = meshes
     if rank == 0:
         Path(out).write_text(json.dumps(report, indent=1))
+
+
+def worker_three_nodes(rank: int, world: int, out: str) -> None:
+    """3 nodes x 2: QSGD (no residuals) crosses the nodes by the two-phase all-reduce, QSGD with error
+    feedback by the all-gather; both leave every rank with the same parameters."""
+    mesh = commpress.fsdp.node_mesh("cpu", local_world_size=L)
+    report: dict[str, Any] = {}
+    # the all-gather run keeps residuals of an unbiased codec only to force its path: its bytes count, not its loss
+    for label, codec, opts in (("dense", "none", {}), ("twophase", "qsgd", {"bits": 2}),
+                               ("allgather", "qsgd", {"bits": 2, "error_feedback": True, "divergence_guard": False})):
+        model, _, state = _train(rank, mesh, codec, opts, "sgd")
+        s = state.stats()
+        params = full_params(model)
+        report[label] = {"same_everywhere": same_everywhere(params), "finite": bool(torch.isfinite(params).all()),
+                         "nodes": s["nodes"], "inter_wire_per_step": s["inter_bytes_wire"] / STEPS,
+                         "loss": mean_loss(model, rank)}
+    if rank == 0:
+        Path(out).write_text(json.dumps(report, indent=1))

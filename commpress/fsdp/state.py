@@ -924,8 +924,7 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
             measured = compressing and self.guard.due(self.step)
             input_sq = self._norms_sq(slots, flat_in) if measured else 0.0
             if hsdp:  # the compressed all-reduce of the node's shard across nodes: the mean of the nodes'
-                cross = warm or codec
-                algorithm = "allreduce" if cross.summable or isinstance(cross, NoneCodec) else "allgather"
+                algorithm = self._cross_algorithm(warm or codec, slots)
                 fut = comm.run(algorithm, flat_in, slots, group=self._inter_group,
                                stats=LevelStats(self._stats, "inter", LevelStats.TOTALS))
             else:
@@ -945,6 +944,20 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
         if async_op:
             return torch._C._distributed_c10d._create_work_from_future(fut)  # type: ignore[attr-defined]
         return None
+
+    def _cross_algorithm(self, codec: Codec, slots: Sequence[Slot]) -> str:
+        """The algorithm of the node shard's all-reduce across nodes (sharded inside the node).
+
+        Summable codecs (and dense steps) all-reduce; a re-encodable codec without residuals (QSGD,
+        a warm-up codec) runs the two-phase all-reduce from 3 nodes on, whose bytes per rank stay
+        about two frames where an all-gather's grow with the nodes; everything else all-gathers
+        (the two-phase server side would need residuals of its own).
+        """
+        if codec.summable or isinstance(codec, NoneCodec):
+            return "allreduce"
+        if codec.reencodable and self.topology.nodes > 2 and all(s.feedback is None for s in slots):
+            return "twophase"
+        return "allgather"
 
     def _dense_slots(self, plan: ModulePlan, chunk: int, n: int) -> list[Slot]:
         return [Slot(f"{plan.name}#{j}", j * chunk, (chunk,), codecs.get("none")) for j in range(n)]
