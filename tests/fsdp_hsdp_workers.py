@@ -222,10 +222,39 @@ def case_layouts(rank: int) -> dict[str, Any]:
     fully_shard(tied, mesh=commpress.fsdp.node_mesh("cpu", local_world_size=L))
     sign = commpress.fsdp.register(tied, "sign", optimizer=None)
     out["sign_compressed"] = {p.name: p.compressed for m in sign.modules for p in m.params}
-    try:
-        commpress.fsdp.register(make_hsdp(commpress.fsdp.node_mesh("cpu", local_world_size=L)), "auto")
-    except ConfigurationError as exc:
-        out["auto_error"] = str(exc)
+    return out
+
+
+def case_auto(rank: int, mesh: Any) -> dict[str, Any]:
+    """codec='auto' sharded in the node: a slow network compresses every module's cross-node all-reduce, a fast
+    one keeps it dense (then equal to codec 'none' bit for bit); calibrated, the same choices everywhere."""
+    from commpress.comm.costmodel import Link
+
+    out: dict[str, Any] = {}
+    ref = make_hsdp(mesh)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    commpress.fsdp.register(ref, "none")
+    for label, kwargs in (("slow", {"auto_link": Link(1e-3, 8.0 / 1e6)}), ("fast", {"auto_link": Link(1e-6, 1e-12)}),
+                          ("calibrated", {})):
+        model = make_hsdp(mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        state = commpress.fsdp.register(model, "auto", **kwargs)
+        for i in range(4):
+            step(model, opt, rank, i)
+            if label == "fast":
+                step(ref, ref_opt, rank, i)
+        s = state.stats()
+        params = full_params(model)
+        choices = torch.tensor([v for k, v in sorted(s.items()) if k.endswith("_reduce_scatter")], dtype=torch.float64)
+        out[label] = {"same_everywhere": same_everywhere(params), "choices_everywhere": same_everywhere(choices),
+                      "finite": bool(torch.isfinite(params).all()), "allgather": state.allgather is not None,
+                      "compressed_modules": s["auto_reduce_scatter_compressed_modules"],
+                      "dense_modules": s["auto_reduce_scatter_dense_modules"], "modules": len(state.modules),
+                      "compressible": sum(any(p.compressed for p in m.params) for m in state.modules),
+                      "inter_per_step": s["inter_bytes_sent_per_step"], "fallback": s["auto_fallback"],
+                      "gbit": s.get("auto_link_gbit", -1.0)}
+        if label == "fast":
+            out[label]["equal_to_none"] = bool(torch.equal(params, full_params(ref)))
     return out
 
 
@@ -239,6 +268,7 @@ def worker_all(rank: int, world: int, out: str) -> None:
         "dcp": case_dcp(rank, mesh, str(Path(out).parent / "dcp")),
         "nonfinite": case_nonfinite(rank, mesh),
         "layouts": case_layouts(rank),
+        "auto": case_auto(rank, mesh),
     }
     meshes = [None] * world
     dist.all_gather_object(meshes, report["mesh_ranks"])

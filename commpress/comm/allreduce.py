@@ -109,7 +109,13 @@ class AllReduce(Algorithm):
             )
 
     def wire_plan(self, entries: Sequence[Entry], codec: Codec, n: int, dtype: torch.dtype) -> dict[str, float]:
-        """One all-reduce: of the compressed entries' summable values and the dense ones whole."""
+        """One all-reduce: of the compressed entries' summable values and the dense ones whole.
+
+        A cast codec (bf16, fp16) all-reduces the whole buffer in its cast dtype (:func:`_cast_reduce`).
+        """
+        if codec.cast_dtype is not None and any(e.compressed for e in entries):
+            cast = torch.empty((), dtype=codec.cast_dtype).element_size()
+            return {**empty_plan(), "allreduce": cast * sum(e.numel for e in entries)}
         size = torch.empty((), dtype=dtype).element_size()
         return {**empty_plan(), "allreduce": size * sum(
             codec.wire_params(e.numel)[0] if e.compressed else e.numel for e in entries

@@ -37,6 +37,15 @@ any optimizer because nothing else is engaged. Error feedback (``error_feedback=
 biased candidate are refused with ``codec="auto"``: they would need the optimizer modes per
 module, which this does not build.
 
+**Sharded inside the node** (HSDP: :func:`commpress.fsdp.node_mesh`): the parameter all-gather
+and the gradient reduce-scatter run inside the node on FSDP's own fast collectives, and what auto
+chooses per module is the all-reduce of the node's shard across nodes: ``dense`` (an fp32
+all-reduce), ``bf16`` (a cast all-reduce) or ``compressed`` (2-bit QSGD: all-gather at 2 nodes,
+two-phase from 3). Its link is calibrated on the cross-node group (every local rank at once, as
+the step runs them), MAX over every rank; the fixed cost per call is timed on the same paths
+(:meth:`FSDPAuto._time_cross_paths`) and the module predicted by
+:func:`~commpress.comm.costmodel.predict` over ``nodes`` ranks.
+
 The choices are part of the state (``state_dict()``, ``dcp()``): a resumed run takes the
 saved ones, whatever its own calibration said. ``stats()`` has ``auto_<module>_reduce_scatter``
 / ``auto_<module>_all_gather`` (an index into ``SHARDED_OPTIONS``) and the predicted seconds
@@ -67,7 +76,10 @@ from ..comm.costmodel import (
     calibrate_link,
     check_calibration_numel,
     check_link,
+    exact_options,
+    max_over_ranks,
     path_overhead,
+    predict,
     predict_all_gather,
     predict_reduce_scatter,
     time_over_ranks,
@@ -200,11 +212,17 @@ class FSDPAuto:
         group = state._group
         self.fallback = ""
         failed = ""
+        across = state.topology.hierarchical  # HSDP: choose the cross-node all-reduce of each shard
         try:
             if self.link is None:
-                self.link = calibrate_link(group, device)
+                self.link = calibrate_link(state._inter_group if across else group, device)
         except Exception as exc:  # noqa: BLE001 - fall back to exact, say why (on every rank: below)
             failed = f"link calibration failed ({type(exc).__name__}: {exc})"
+        if across:  # each cross-node group measured its own link: every rank takes the slowest
+            link = self.link or Link(0.0, 0.0)
+            alpha, beta, bad = max_over_ranks([link.alpha, link.beta, 1.0 if failed else 0.0], group, device)
+            failed = failed or ("link calibration failed on a peer rank" if bad else "")
+            self.link = Link(alpha, beta) if not failed else self.link
         # every rank enters this all-reduce, a rank whose link calibration failed too (its flag)
         self.costs, why = calibrate_codecs(
             {"bf16": self.bf16, "compressed": self.grad_codec, "int8": self.param_codec},
@@ -213,7 +231,7 @@ class FSDPAuto:
         if self.costs is None:
             self.fallback = f"calibration failed ({why})"
         if not self.fallback:
-            why = self._time_paths(state, device)
+            why = self._time_cross_paths(state, device) if across else self._time_paths(state, device)
             if why:
                 self.fallback = f"timing the collectives failed ({why})"
         self.calibration_s = time.perf_counter() - t0
@@ -221,7 +239,8 @@ class FSDPAuto:
             logger.warning("commpress auto (FSDP): %s; every module stays exact (FSDP's own collectives)", self.fallback)
             self.choices = {m.name: ModuleChoice(m.name) for m in state.modules}
             return
-        self.choices = {m.name: self._predict(state, model, m.name) for m in state.modules}
+        predict_one = self._predict_across if across else self._predict
+        self.choices = {m.name: predict_one(state, model, m.name) for m in state.modules}
         assert self.link is not None
         logger.info("commpress auto (FSDP): link %.2f Gbit/s, alpha %.1f us; %s (calibrated in %.2f s)",
                     self.link.gbit, self.link.alpha * 1e6,
@@ -284,6 +303,58 @@ class FSDPAuto:
             predicted_ag = predict_all_gather(chunk, chunk, n, self.link, dense_bytes=4 * chunk, frames=frames, gathers=1)
             self.overhead["all_gather"] = path_overhead(dict(zip(SHARDED_OPTIONS, measured[3:])), predicted_ag)
         return ""
+
+    def _cross_options(self, entries: list[Entry], nodes: int, dtype: torch.dtype) -> dict[str, float]:
+        """Predicted seconds of one shard's all-reduce across ``nodes`` nodes, per option (before fixed costs)."""
+        assert self.link is not None and self.costs is not None
+        numel = sum(e.numel for e in entries)
+        out = {"dense": exact_options(numel, nodes, self.link, self.costs["bf16"], dtype)["dense"]}
+        if dtype in (torch.float32, torch.float64):
+            out["bf16"] = predict(entries, nodes, self.link, self.costs["bf16"], self.bf16, "allreduce", dtype)["compressed"]
+        if any(e.compressed for e in entries):
+            algorithm = "twophase" if nodes > 2 else "allgather"  # the state's choice for a codec without residuals
+            out["compressed"] = predict(entries, nodes, self.link, self.costs["compressed"], self.grad_codec, algorithm,
+                                        dtype)["compressed"]
+        return out
+
+    def _time_cross_paths(self, state: FSDPCompressionState, device: torch.device) -> str:
+        """Time each option's real cross-node all-reduce of a small synthetic shard (a collective); set :attr:`overhead`."""
+        assert self.link is not None and self.costs is not None
+        nodes, k = state.topology.nodes, OVERHEAD_NUMEL
+        params = min(max(len(m.params) for m in state.modules), OVERHEAD_MAX_PARAMS)
+        flat = torch.randn(params * k, generator=torch.Generator().manual_seed(3)).to(device)
+        buf = torch.empty_like(flat)
+        counters = CommStats()  # not the state's: calibration traffic is not training traffic
+
+        def cross(codec: Codec) -> Any:
+            slots = [Slot(f"auto calibration {p}#0", p * k, (k,), codec, p) for p in range(params)]
+            algorithm = state._cross_algorithm(codec, slots)
+
+            def once() -> None:
+                buf.copy_(flat)
+                comm.run(algorithm, buf, slots, group=state._inter_group, stats=counters).wait()
+            return once
+
+        measured, why = time_over_ranks([cross(c) for c in (self.none, self.bf16, self.grad_codec)], group=state._group,
+                                        device=device)
+        if measured is None:
+            return why
+        predicted = self._cross_options([Entry(k, True)] * params, nodes, torch.float32)
+        self.overhead["reduce_scatter"] = path_overhead(dict(zip(SHARDED_OPTIONS, measured)), predicted)
+        return ""
+
+    def _predict_across(self, state: FSDPCompressionState, model: torch.nn.Module, name: str) -> ModuleChoice:
+        """A module's choice sharded inside the node: its shard's all-reduce across nodes (FSDP gathers in the node)."""
+        plan = next(m for m in state.modules if m.name == name)
+        modules: dict[str, Any] = {k or "<root>": v for k, v in model.named_modules() if isinstance(v, FSDPModule)}
+        _, reduce_dtype = _fsdp_dtypes(modules[name]._get_fsdp_state()._fsdp_param_groups[0])
+        predicted = self._cross_options([Entry(p.chunk_numel, p.compressed) for p in plan.params],
+                                        state.topology.nodes, reduce_dtype)
+        predicted = {o: t + self.overhead["reduce_scatter"].get(o, 0.0) for o, t in predicted.items()}
+        choice = ModuleChoice(name)
+        choice.predicted["reduce_scatter"] = predicted
+        choice.reduce_scatter = best(predicted, SHARDED_OPTIONS)
+        return choice
 
     def _predict(self, state: FSDPCompressionState, model: torch.nn.Module, name: str) -> ModuleChoice:
         assert self.link is not None and self.costs is not None

@@ -373,9 +373,10 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
             self._group = None
             self.modules = self._plan(model)
         if self.topology.hierarchical:  # HSDP: every rank takes part in agreement, faults and the guard
-            if self.auto is not None:
-                raise ConfigurationError("codec='auto' prices one link; FSDP sharded inside a node (HSDP) takes a "
-                                         "codec by name (the cross-node all-reduce is what it compresses)")
+            if self.auto is not None:  # auto chooses the cross-node all-reduce; the node gathers on its fast links
+                param_codec = None
+                self.param_codec_why = ("codec='auto' sharded inside the node: FSDP's own parameter all-gather on "
+                                        "the node's links; auto chooses each module's all-reduce across nodes")
             self._group = dist.group.WORLD
             self._inter_group = comm_topology.node_groups(self.topology, None).inter
         if self.topology.hierarchical and adam_variance == "live":

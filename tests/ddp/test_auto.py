@@ -93,6 +93,8 @@ def test_compressed_plan_bytes_match_the_algorithms_frames() -> None:
     assert two["alltoall"] > 0 and two["allgather"] < two["alltoall"] and two["decodes"] == 2
     rk = commpress.codecs.get("randomk", ratio=0.01, scaled=False)
     assert compressed_plan(entries, rk, "allreduce", 4)["allreduce"] == 4 * (100 + 100)
+    # a cast codec all-reduces the whole buffer in its dtype (the dense entries too)
+    assert compressed_plan(entries, commpress.codecs.get("bf16"), "allreduce", 4)["allreduce"] == 2 * 10_100
     with pytest.raises(commpress.CodecError, match="algorithms"):
         compressed_plan(entries, topk, "magic", 2)
 
