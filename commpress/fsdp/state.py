@@ -195,6 +195,8 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
             from a calibrated cost model (:mod:`commpress.fsdp.auto`; options ``auto_link=`` a
             :class:`~commpress.comm.costmodel.Link` instead of timing the link,
             ``auto_calibration_numel=``; no ``param_codec=``, codec parameters or error feedback).
+            Sharded inside the node (:func:`commpress.fsdp.node_mesh`) it chooses each module's
+            all-reduce across nodes (dense, bf16 or 2-bit QSGD) and leaves the all-gather to FSDP.
         error_feedback: keep residuals of what compression dropped; ``None`` (default): on for
             the biased codecs (topk, sign, unscaled randomk), off for the unbiased ones (qsgd,
             scaled randomk) and never for none/fp16/bf16.
