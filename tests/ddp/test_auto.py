@@ -143,6 +143,28 @@ def test_predict_hierarchical_prices_three_links() -> None:
     assert slow_node["compressed"] > fast_node["compressed"] + 0.05 and slow_node["dense"] == fast_node["dense"]
 
 
+def test_fp16_against_dense_follows_the_measured_difference_whatever_the_link_fit() -> None:
+    """The cast cost is set from the dense and fp16 all-reduces timed side by side: the model's fp16-minus-dense
+    gap is the measured one, scaled with size, under any link fit (a misread link no longer picks fp16)."""
+    from commpress.comm.costmodel import cast_cost, exact_options
+
+    n, cal, big = 4, 1 << 21, 16_822_282
+    t_dense, t_cast = 0.020, 0.023  # fp16 measured 3 ms slower at 2M elements
+    gaps = []
+    for link in (Link.from_gbit(5.4, 1e-3), Link.from_gbit(7.0, 0.9e-3), Link.from_gbit(1.0)):
+        cost = dataclasses.replace(CPU, cast_s=cast_cost(t_cast, t_dense, link, cal, n))
+        at_cal = exact_options(cal, n, link, cost, torch.float32)
+        assert at_cal["fp16"] - at_cal["dense"] == pytest.approx(t_cast - t_dense - CPU.pass_s * cal)
+        at_big = exact_options(big, n, link, cost, torch.float32)
+        gaps.append(at_big["fp16"] - at_big["dense"])
+        assert best(at_big) == "dense"
+    assert gaps == pytest.approx([gaps[0]] * 3) and gaps[0] == pytest.approx((t_cast - t_dense - CPU.pass_s * cal) * big / cal)
+    # measured faster: fp16 wins at every size; a cast costing less than nothing is clamped at 0
+    fast = dataclasses.replace(CPU, cast_s=cast_cost(0.010, 0.020, Link.from_gbit(7.0), cal, n))
+    assert best(exact_options(big, n, Link.from_gbit(7.0), fast, torch.float32)) == "fp16"
+    assert cast_cost(0.0, 1.0, Link.from_gbit(7.0), cal, n) == 0.0
+
+
 def test_calibrate_device_single_process() -> None:
     cost = calibrate_device(commpress.codecs.get("topk", ratio=0.01), feedback=True, masking=True, numel=1 << 14)
     assert cost.encode_s > 0 and cost.decode_s > 0 and cost.pass_s > 0 and cost.cast_s > 0 and cost.mask_s > 0
