@@ -121,16 +121,24 @@ def case_codecs(rank: int, mesh: Any) -> dict[str, Any]:
     return out
 
 
-def case_resume(rank: int, mesh: Any) -> dict[str, Any]:
-    """4 steps, save model shards + optimizer + commpress state, resume in fresh objects: == 8 uninterrupted."""
-    opts = {"ratio": 0.05, "warmup_steps": 2}
-    whole, _, _ = _train(rank, mesh, "topk", opts, "sgd")
-    expected = full_params(whole)
+RESUME_OPTS = {"ratio": 0.05, "warmup_steps": 2}
+
+
+def _half_run(rank: int, mesh: Any) -> tuple[torch.Tensor, nn.Module, torch.optim.Optimizer, Any]:
+    """The uninterrupted run's final parameters, and a second run stopped at half its steps (model, optimizer, state)."""
+    whole, _, _ = _train(rank, mesh, "topk", RESUME_OPTS, "sgd")
     first = make_hsdp(mesh)
     opt = torch.optim.SGD(first.parameters(), lr=0.05, momentum=0.9)
-    state = commpress.fsdp.register(first, "topk", optimizer=opt, **opts)
+    state = commpress.fsdp.register(first, "topk", optimizer=opt, **RESUME_OPTS)
     for i in range(STEPS // 2):
         step(first, opt, rank, i)
+    return full_params(whole), first, opt, state
+
+
+def case_resume(rank: int, mesh: Any) -> dict[str, Any]:
+    """4 steps, save model shards + optimizer + commpress state, resume in fresh objects: == 8 uninterrupted."""
+    opts = RESUME_OPTS
+    expected, first, opt, state = _half_run(rank, mesh)
     buf = io.BytesIO()
     torch.save(state.state_dict(), buf)
     shards = {k: v.to_local().clone() for k, v in first.state_dict().items()}
@@ -151,14 +159,8 @@ def case_resume(rank: int, mesh: Any) -> dict[str, Any]:
 
 def case_dcp(rank: int, mesh: Any, ckpt: str) -> dict[str, Any]:
     """The same resume through ``torch.distributed.checkpoint``: model, optimizer and ``state.dcp()`` in one save."""
-    opts = {"ratio": 0.05, "warmup_steps": 2}
-    whole, _, _ = _train(rank, mesh, "topk", opts, "sgd")
-    expected = full_params(whole)
-    first = make_hsdp(mesh)
-    opt = torch.optim.SGD(first.parameters(), lr=0.05, momentum=0.9)
-    state = commpress.fsdp.register(first, "topk", optimizer=opt, **opts)
-    for i in range(STEPS // 2):
-        step(first, opt, rank, i)
+    opts = RESUME_OPTS
+    expected, first, opt, state = _half_run(rank, mesh)
     dcp.save({"model": first.state_dict(), "optim": opt.state_dict(), "commpress": state.dcp()}, checkpoint_id=ckpt)
     second = make_hsdp(mesh, seed=1)
     opt2 = torch.optim.SGD(second.parameters(), lr=0.05, momentum=0.9)
