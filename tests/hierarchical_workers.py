@@ -172,6 +172,22 @@ def case_nonfinite(rank: int) -> dict[str, Any]:
     return {"nonfinite_slots": state.stats()["nonfinite_slots"]}
 
 
+def case_warmup(rank: int) -> dict[str, Any]:
+    """Warm-up steps through a codec (8-bit QSGD, the default) cross the nodes hierarchical too: 1/L of flat's share."""
+    out: dict[str, Any] = {}
+    for label, kwargs in (("hier", {"local_world_size": L}), ("flat", {})):
+        ddp = make_ddp()
+        opt = _sgd(ddp)
+        state = commpress.ddp.register(ddp, "topk", optimizer=opt, ratio=0.01, warmup_steps=3, **kwargs)
+        for step in range(3):  # warm-up only
+            step_once(ddp, opt, rank, step)
+            assert_same_across_ranks(ddp, f"{label} warm-up step {step}")
+        s = state.stats()
+        out[label] = {"bytes_sent": s["bytes_sent"] / 3, "inter_bytes_sent": s["inter_bytes_sent"] / 3,
+                      "intra_bytes_sent": s["intra_bytes_sent"] / 3, "warmup_codec": repr(state.warmup_codec)}
+    return out
+
+
 def _same_values(values: list[float], what: str) -> None:
     mine = torch.tensor(values, dtype=torch.float64)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
@@ -230,6 +246,7 @@ def worker_all(rank: int, world: int, outdir: str, steps: int) -> None:
         "topology": case_topology(rank),
         "flush": case_flush(rank, world),
         "auto": case_auto(rank),
+        "warmup": case_warmup(rank),
     }
     if rank == 0:
         Path(outdir, "hierarchical.json").write_text(json.dumps(report, indent=1))

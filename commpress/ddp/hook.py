@@ -65,10 +65,9 @@ def _reduce(state: CompressionState, bucket: dist.GradBucket, buffer: torch.Tens
         state.apply_modes(plan, buffer, compressing)
     if warmup_codec is not None:  # warm-up through an unbiased codec: no residuals to keep or flush
         seeds = [state.param_seed(p) for p in plan.params]
-        fut = comm.run(
-            comm.default_algorithm(warmup_codec, state.world_size), buffer, plan.slots(warmup_codec, seeds, None),
-            group=state.process_group, stats=state.counters,
-        )
+        assert state.warmup_impl is not None  # bound with the warm-up codec (hierarchical on several nodes)
+        fut = comm.run(state.warmup_impl, buffer, plan.slots(warmup_codec, seeds, None),
+                       group=state.process_group, stats=state.counters)
     elif dense:
         state.flush_residuals(plan, buffer)  # a guard's dense step sends what was held back
         fut = comm.allreduce_mean(buffer, group=state.process_group, stats=state.counters)

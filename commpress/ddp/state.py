@@ -127,7 +127,7 @@ class CompressionState(DDPCheckpoint, LogsStats):
     __slots__ = (  # with DDPCheckpoint's
         "process_group", "plans_by_id", "warmup", "adam", "auto", "faults", "_bucket_plans", "_verify_pending",
         "_stats_log", "_first_gradients", "keeping_first_gradients", "_find_optimizer", "topology", "inner_algorithm",
-        "algorithm_impl",
+        "algorithm_impl", "warmup_impl",
     )
 
     def __init__(
@@ -257,7 +257,7 @@ class CompressionState(DDPCheckpoint, LogsStats):
 
     def _resolve_topology(self, group: Any, local_world_size: int | None, algorithm: str, timeout_s: float,
                           known: topology.Topology | None = None) -> None:
-        """Set ``topology``, ``algorithm`` (a name), ``inner_algorithm`` and ``algorithm_impl`` (what the hook runs).
+        """Set ``topology``, the algorithm names and ``algorithm_impl`` / ``warmup_impl`` (what the hook runs).
 
         ``known``: the topology already resolved (``codec="auto"`` resolves it first), else resolved here.
         """
@@ -272,16 +272,24 @@ class CompressionState(DDPCheckpoint, LogsStats):
             self.algorithm = check_algorithm(algorithm, self.codec, self.world_size)
             self.inner_algorithm: str | None = None
             self.algorithm_impl: Algorithm = comm.get(self.algorithm)
+            warm = self.warmup.codec
+            self.warmup_impl: Algorithm | None = None if warm is None else comm.get(comm.default_algorithm(warm, self.world_size))
             return
         self.inner_algorithm = check_algorithm("auto" if algorithm == "hierarchical" else algorithm, self.codec,
                                                topo.nodes)
         self.algorithm = "hierarchical"
         self.algorithm_impl = Hierarchical.bind(topo, self.rank, comm.get(self.inner_algorithm))
+        # warm-up through a codec crosses the nodes the same way (its share, no residuals): with AdamW's 50
+        # warm-up steps, flat warm-up was most of a 100-step run's cross-node bytes (docs/ddp.md)
+        warm = self.warmup.codec
+        self.warmup_impl = None if warm is None else Hierarchical.bind(
+            topo, self.rank, comm.get(comm.default_algorithm(warm, topo.nodes)))
 
     def _connect(self) -> None:
         """Create the node groups (after the agreement: a rank that never registers is named, not waited for)."""
-        if isinstance(self.algorithm_impl, Hierarchical):
-            self.algorithm_impl.connect(self.process_group)
+        for impl in (self.algorithm_impl, self.warmup_impl):
+            if isinstance(impl, Hierarchical):
+                impl.connect(self.process_group)
 
     # ----- configuration --------------------------------------------------------------------
     @property

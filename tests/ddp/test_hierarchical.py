@@ -182,3 +182,12 @@ def test_auto_compresses_through_the_hierarchy_on_a_slow_network(report: dict) -
     assert auto["fast_options"] and set(auto["fast_options"]) == {"dense"} and auto["fast_switches"] >= 1, auto
     assert auto["calibrated_hierarchical"] == 1.0, auto
     assert auto["calibrated_intra_gbit"] > 0 and auto["calibrated_inter_gbit"] > 0, auto
+
+
+def test_warmup_through_a_codec_crosses_the_nodes_hierarchical(report: dict) -> None:
+    """8-bit QSGD warm-up steps: dense inside the node, each rank's share across (1/L of flat's bytes); ranks
+    bit-identical after every step (asserted in the workers)."""
+    hier, flat = report["warmup"]["hier"], report["warmup"]["flat"]
+    assert "QSGD" in hier["warmup_codec"] and hier["intra_bytes_sent"] > 0, hier
+    assert 0 < hier["inter_bytes_sent"] <= 0.55 * flat["bytes_sent"], (hier, flat)
+    assert flat["inter_bytes_sent"] == 0, flat
