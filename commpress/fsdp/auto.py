@@ -304,15 +304,16 @@ class FSDPAuto:
             self.overhead["all_gather"] = path_overhead(dict(zip(SHARDED_OPTIONS, measured[3:])), predicted_ag)
         return ""
 
-    def _cross_options(self, entries: list[Entry], nodes: int, dtype: torch.dtype) -> dict[str, float]:
-        """Predicted seconds of one shard's all-reduce across ``nodes`` nodes, per option (before fixed costs)."""
+    def _cross_options(self, state: FSDPCompressionState, entries: list[Entry], dtype: torch.dtype) -> dict[str, float]:
+        """Predicted seconds of one shard's all-reduce across the nodes, per option (before fixed costs)."""
         assert self.link is not None and self.costs is not None
+        nodes = state.topology.nodes
         numel = sum(e.numel for e in entries)
         out = {"dense": exact_options(numel, nodes, self.link, self.costs["bf16"], dtype)["dense"]}
         if dtype in (torch.float32, torch.float64):
             out["bf16"] = predict(entries, nodes, self.link, self.costs["bf16"], self.bf16, "allreduce", dtype)["compressed"]
         if any(e.compressed for e in entries):
-            algorithm = "twophase" if nodes > 2 else "allgather"  # the state's choice for a codec without residuals
+            algorithm = state._cross_algorithm(self.grad_codec, ())  # what reduce() runs: its candidate keeps no residuals
             out["compressed"] = predict(entries, nodes, self.link, self.costs["compressed"], self.grad_codec, algorithm,
                                         dtype)["compressed"]
         return out
@@ -320,7 +321,7 @@ class FSDPAuto:
     def _time_cross_paths(self, state: FSDPCompressionState, device: torch.device) -> str:
         """Time each option's real cross-node all-reduce of a small synthetic shard (a collective); set :attr:`overhead`."""
         assert self.link is not None and self.costs is not None
-        nodes, k = state.topology.nodes, OVERHEAD_NUMEL
+        k = OVERHEAD_NUMEL
         params = min(max(len(m.params) for m in state.modules), OVERHEAD_MAX_PARAMS)
         flat = torch.randn(params * k, generator=torch.Generator().manual_seed(3)).to(device)
         buf = torch.empty_like(flat)
@@ -339,7 +340,7 @@ class FSDPAuto:
                                         device=device)
         if measured is None:
             return why
-        predicted = self._cross_options([Entry(k, True)] * params, nodes, torch.float32)
+        predicted = self._cross_options(state, [Entry(k, True)] * params, torch.float32)
         self.overhead["reduce_scatter"] = path_overhead(dict(zip(SHARDED_OPTIONS, measured)), predicted)
         return ""
 
@@ -348,8 +349,7 @@ class FSDPAuto:
         plan = next(m for m in state.modules if m.name == name)
         modules: dict[str, Any] = {k or "<root>": v for k, v in model.named_modules() if isinstance(v, FSDPModule)}
         _, reduce_dtype = _fsdp_dtypes(modules[name]._get_fsdp_state()._fsdp_param_groups[0])
-        predicted = self._cross_options([Entry(p.chunk_numel, p.compressed) for p in plan.params],
-                                        state.topology.nodes, reduce_dtype)
+        predicted = self._cross_options(state, [Entry(p.chunk_numel, p.compressed) for p in plan.params], reduce_dtype)
         predicted = {o: t + self.overhead["reduce_scatter"].get(o, 0.0) for o, t in predicted.items()}
         choice = ModuleChoice(name)
         choice.predicted["reduce_scatter"] = predicted
