@@ -114,6 +114,27 @@ def case_codecs(rank: int, steps: int) -> dict[str, Any]:
             for label, codec, opts in CODECS}
 
 
+def case_frames_inside(rank: int, steps: int) -> dict[str, Any]:
+    """Step 3 gathering the nodes' frames equals gathering the dense share, bit for bit, with fewer bytes in the node."""
+    out: dict[str, Any] = {}
+    for label, codec, opts in (("topk", "topk", {"ratio": 0.01}), ("sign", "sign", {}), ("qsgd", "qsgd", {"bits": 4})):
+        runs = []
+        for frames in (True, False):
+            ddp = make_ddp()
+            opt = _sgd(ddp)
+            state = commpress.ddp.register(ddp, codec, optimizer=opt, warmup_steps=0, local_world_size=L, **opts)
+            state.algorithm_impl.gather_frames = frames
+            for step in range(steps):
+                step_once(ddp, opt, rank, step)
+            runs.append((flat_params(ddp), state.stats()))
+        (p_frames, s_frames), (p_dense, s_dense) = runs
+        assert_all_ranks(torch.equal(p_frames, p_dense), f"{label}: frames in the node != the dense share")
+        assert_same_across_ranks(ddp, f"{label} frames")
+        out[label] = {"intra_frames": s_frames["intra_bytes_sent"] / steps, "intra_dense": s_dense["intra_bytes_sent"] / steps,
+                      "inter_frames": s_frames["inter_bytes_sent"] / steps, "inter_dense": s_dense["inter_bytes_sent"] / steps}
+    return out
+
+
 def case_resume(rank: int, half: int) -> dict[str, Any]:
     """Checkpoint at ``half``, resume on a fresh DDP model and state: bit-exact with the uninterrupted run."""
     out: dict[str, Any] = {}
@@ -241,6 +262,7 @@ def worker_all(rank: int, world: int, outdir: str, steps: int) -> None:
     report = {
         "none": case_none_equals_dense(rank, steps),
         "codecs": case_codecs(rank, steps),
+        "frames": case_frames_inside(rank, steps),
         "resume": case_resume(rank, steps // 2),
         "nonfinite": case_nonfinite(rank),
         "topology": case_topology(rank),

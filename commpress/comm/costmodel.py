@@ -256,11 +256,16 @@ def predict_hierarchical(
     ``dense`` and ``fp16``: flat all-reduces over all ``nodes * L`` ranks on ``links.flat``.
     ``compressed``: the hierarchical path: a dense all_to_all of the buffer on ``links.intra``, the
     ``inner`` algorithm's collectives of this rank's share (:func:`share_entries`) among ``nodes``
-    ranks on ``links.inter``, a dense all_gather of the share on ``links.intra``; its work: the
-    codec's encode and decodes of the share, ``L`` passes over the share (summing the node's
-    copies) and, over the whole buffer, three passes (packing, copying the gathered shares back,
-    the finiteness check) and the hook's velocity update.
+    ranks on ``links.inter``, and an all_gather on ``links.intra``: of the nodes' frames of the
+    share where :func:`~.hierarchical.frames_cross_node` says so (every rank then decodes the
+    whole buffer), else of the dense share (decoded by its owner). Its work: the codec's encode
+    of the share and its decodes (of the share, or of the buffer), ``L`` passes over the share
+    (summing the node's copies) and, over the whole buffer, three passes (packing, copying back or
+    averaging, the finiteness check) and the hook's velocity update.
     """
+    from . import ALGORITHMS
+    from .hierarchical import frames_cross_node
+
     L = local_world_size
     numel = sum(e.numel for e in entries)
     size = torch.empty((), dtype=dtype).element_size()
@@ -269,10 +274,12 @@ def predict_hierarchical(
     share = sum(e.numel for e in shares)
     nc = sum(e.numel for e in shares if e.compressed)
     plan = compressed_plan(shares, codec, inner, nodes, dtype)
+    frames = inner in ALGORITHMS and frames_cross_node(ALGORITHMS[inner], int(plan["allgather"]), nodes, size * share)
     wire = (links.intra.alltoall(size * numel, L) + wire_time(links.inter, plan, nodes)
-            + links.intra.allgather(size * share, L))
-    work = nc * (device.encode_s + plan["decodes"] * device.decode_s + device.mask_s)
-    work += (share - nc) * device.pass_s * plan["decodes"] + L * device.pass_s * share
+            + links.intra.allgather(nodes * plan["allgather"] if frames else size * share, L))
+    decoded, nc_decoded = (numel, sum(e.numel for e in entries if e.compressed)) if frames else (share, nc)
+    work = nc * (device.encode_s + device.mask_s) + nc_decoded * plan["decodes"] * device.decode_s
+    work += (decoded - nc_decoded) * device.pass_s * plan["decodes"] + L * device.pass_s * share
     work += (3 * device.pass_s + device.momentum_s) * numel
     out["compressed"] = wire + work
     return out

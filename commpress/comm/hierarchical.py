@@ -6,24 +6,30 @@ cut into ``L`` pieces (:func:`~.twophase.piece_bounds`, on the codec's block ali
 
 1. **intra-node reduce-scatter**, dense: all_to_all of the shares over the node's group (share
    ``k`` to local rank ``k``), waited for; local rank ``j`` sums the ``L`` copies of share ``j``
-   in local-rank order (accumulation dtype) and divides by ``L``: its node's mean of share ``j``;
+   (accumulation dtype) and divides by ``L``: its node's mean of share ``j``;
 2. **inter-node compressed all-reduce** of that share among the ``N`` ranks with local rank ``j``
    (one per node), by the codec's own algorithm (``inner``: all-gather for top-k, two-phase or
    all-gather for sign/QSGD, all-reduce for summable codecs and random-k), on slots keyed
    ``share_key(name, j)`` with seeds ``derive_seed(seed, PHASE_SHARE, j)`` (the same on every
    node): error feedback (and the two-phase server side) holds this share only, ``1/L`` of a
    flat run's residual memory. Waited for on this thread (one ordered issue path);
-3. **intra-node all-gather**, dense: every local rank's share (padded to the largest share)
-   over the node's group; the future puts the pieces back in place. Every rank of the node
-   receives the same bytes and every node the same shares, so the buffer is bit-identical
-   everywhere.
+3. **intra-node all-gather**: when the inner algorithm is the all-gather of frames (top-k; sign
+   and QSGD at 2 nodes) and the ``N`` frames of a share are smaller than the share itself, the
+   frames: every local rank's ``N`` frames (padded to the largest) over the node's group, and
+   every rank decodes all ``L x N`` frames into the buffer (:func:`frames_cross_node`; top-k 1%
+   at 2 nodes: 0.16 bytes per element instead of 4). Otherwise the dense share (padded to the
+   largest) and the future puts the pieces back in place. Either way every rank of the node
+   receives the same bytes and every node the same shares, and decodes them the same way, so
+   the buffer is bit-identical everywhere (and equal between the two forms: the same frames
+   decoded in the same order).
 
 Non-finite: a share piece that any node flagged is NaN on every node after step 2; after step 3
 every rank sees the same buffer, so a slot non-finite anywhere is NaN in full on every rank,
 and each rank restores its own share's residuals for it (a voided step leaves no trace).
 
 Bytes per rank: ``(L-1)/L`` of the buffer to the node (step 1), the inner algorithm's bytes of
-``1/L`` of it across nodes (step 2), ``(L-1)`` padded shares from the node (step 3).
+``1/L`` of it across nodes (step 2), ``(L-1)`` padded shares, or ``N`` padded frames, from the
+node (step 3).
 :class:`~.stats.CommStats` counts the inter-node and intra-node parts apart
 (``inter_bytes_sent`` / ``inter_bytes_wire``, ``intra_bytes_sent`` / ``intra_bytes_wire``).
 """
@@ -44,7 +50,18 @@ from ..dtypes import accumulate_dtype
 from ..errors import CodecError
 from ..feedback import ErrorFeedback
 from ..rng import derive_seed
-from .driver import Algorithm, Entry, Piece, Slot, StepContext, all_gather_single
+from ..wire.frame import FrameLayout
+from .allgather import PHASE_GATHER, AllGather
+from .driver import (
+    Algorithm,
+    Entry,
+    Part,
+    Piece,
+    Slot,
+    StepContext,
+    all_gather_single,
+    frame_layout,
+)
 from .stats import LevelStats
 from .topology import NodeGroups, Topology, node_groups
 from .twophase import piece_bounds
@@ -58,6 +75,16 @@ def share_key(key: str, share: int) -> str:
     return f"{key}@{share}"
 
 
+def frames_cross_node(inner: Algorithm, frame_nbytes: int, nodes: int, share_nbytes: int) -> bool:
+    """Whether step 3 gathers the nodes' frames of each share instead of the decoded dense share.
+
+    Only after the all-gather of frames (every rank of a node can decode what its peer received),
+    and only when the ``nodes`` frames of the widest share (``frame_nbytes`` each) are fewer bytes
+    than that share dense: top-k and sign always, QSGD 4-bit up to 7 nodes, 8-bit up to 3.
+    """
+    return isinstance(inner, AllGather) and nodes * frame_nbytes < share_nbytes
+
+
 class Hierarchical(Algorithm):
     """Dense reduce-scatter in the node, ``inner`` across nodes on the share, dense all-gather in the node.
 
@@ -69,6 +96,9 @@ class Hierarchical(Algorithm):
 
     def __init__(self, topology: Topology | None = None, rank: int = 0, inner: Algorithm | None = None) -> None:
         self.topology, self.rank, self.inner = topology, rank, inner
+        #: step 3 may gather the nodes' frames (:func:`frames_cross_node`); False: always the dense share
+        #: (the two give the same buffer bit for bit; the switch is for measuring the difference)
+        self.gather_frames = True
         self.groups: NodeGroups | None = None  # set by connect(): the layout needs only the numbers
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
 
@@ -162,11 +192,13 @@ class Hierarchical(Algorithm):
         shares = [Entry(hi - lo, e.compressed) for e in entries for lo, hi in [self._share(e.numel, codec)]]
         plan = inner.wire_plan(shares, codec, topo.nodes, dtype)
         total = sum(e.numel for e in entries)
-        widest = max(
-            (sum(b[k][1] - b[k][0] for b in (piece_bounds(e.numel, topo.local_world_size, align) for e in entries))
-             for k in range(topo.local_world_size)), default=0)
+        cuts = [piece_bounds(e.numel, topo.local_world_size, align) for e in entries]
+        widest = max((sum(b[k][1] - b[k][0] for b in cuts) for k in range(topo.local_world_size)), default=0)
+        frame = max((frame_layout([Entry(b[k][1] - b[k][0], e.compressed) for e, b in zip(entries, cuts)], codec,
+                                  dtype).nbytes for k in range(topo.local_world_size)), default=0)
+        gathered = topo.nodes * frame if frames_cross_node(inner, frame, topo.nodes, size * widest) else size * widest
         return {**plan, "intra_alltoall": size * (total - sum(e.numel for e in shares)),
-                "intra_allgather": size * widest}
+                "intra_allgather": gathered}
 
     def _reused(self, tag: str, like: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A buffer kept per DDP bucket (its address) and use: fresh large tensors page-fault every step."""
@@ -201,9 +233,9 @@ class Hierarchical(Algorithm):
         ctx.wait(work)
         t2 = time.perf_counter()
         wide = accumulate_dtype(flat.dtype)
-        acc = recv[: sizes[j]].to(wide, copy=True)
-        for k in range(1, L):
-            acc.add_(recv[k * sizes[j] : (k + 1) * sizes[j]])
+        # one pass into a kept buffer (a fresh copy and L-1 adds cost ~2 passes and page faults per step)
+        acc = self._reused("share", flat, sizes[j], wide)
+        torch.sum(recv.view(L, sizes[j]), dim=0, dtype=wide, out=acc)
         acc.div_(L)
         share = acc if wide == flat.dtype else acc.to(flat.dtype)
         to_node = (flat.numel() - sizes[j]) * elt
@@ -214,6 +246,11 @@ class Hierarchical(Algorithm):
         slots = [Slot(share_key(s.key, j), off, (b[j][1] - b[j][0],), s.codec, derive_seed(s.seed, PHASE_SHARE, j),
                       s.feedback) for s, b, off in zip(ctx.slots, bounds, offsets)]
         sub = StepContext(share, slots, groups.inter, LevelStats(ctx.stats, "inter", (*LevelStats.TOTALS, "nonfinite_slots")))
+        layouts = [FrameLayout([(share_key(s.key, k), s.codec, b[k][1] - b[k][0]) for s, b in zip(ctx.slots, bounds)],
+                               flat.dtype) for k in range(L)]
+        if self.gather_frames and frames_cross_node(inner, max(lay.nbytes for lay in layouts), topo.nodes,
+                                                    max(sizes) * elt):
+            return self._frames_inside(ctx, sub, bounds, layouts)
         inner.launch(sub, server_feedback).wait()  # bounded: the fault channel fails this future
         # 3. dense all-gather inside the node
         width = max(sizes)
@@ -240,5 +277,53 @@ class Hierarchical(Algorithm):
 
         return ctx.finish(work2, decode)
 
+    def _frames_inside(
+        self, ctx: StepContext, sub: StepContext, bounds: list[list[tuple[int, int]]], layouts: list[FrameLayout]
+    ) -> torch.futures.Future[torch.Tensor]:
+        """Steps 2 and 3 when the frames cross the node: the inner all-gather, then its frames gathered in the node.
 
-__all__ = ["PHASE_SHARE", "Hierarchical", "share_key"]
+        Step 2 encodes and all-gathers exactly as :class:`~.allgather.AllGather` (same seeds, same
+        frames); step 3 all-gathers those ``N`` frames in the node and every rank decodes every
+        share's frames in node order into the buffer, then averages: what the owner of each share
+        would have decoded, on every rank alike.
+        """
+        _, groups, _ = self._bound()
+        nodes, L = sub.n, len(layouts)
+        parts = [Part(i, 0, s.numel, s.key, derive_seed(s.seed, PHASE_GATHER, sub.rank), s.shape)
+                 for i, s in enumerate(sub.slots)]
+        enc = sub.encode_frames([parts])
+        nbytes = enc.layouts[0].nbytes
+        width = nodes * max(lay.nbytes for lay in layouts)  # one local rank's frames, padded to the widest
+        out = self._reused("frames-send", ctx.flat, width, torch.uint8)
+        sub.count(collectives=1, bytes_sent=nbytes, bytes_wire=(nodes - 1) * nbytes, encode_s=sub.lap(),
+                  nonfinite_local=sum(enc.bad))
+        sub.wait(all_gather_single(out[: nodes * nbytes], enc.send, group=groups.inter, async_op=True))
+        out[nodes * nbytes :].zero_()
+        gathered = self._reused("frames-recv", ctx.flat, L * width, torch.uint8)
+        ctx.count(collectives=1, bytes_sent=width, bytes_wire=(L - 1) * width, intra_bytes_sent=width,
+                  intra_bytes_wire=(L - 1) * width)
+        work = all_gather_single(gathered, out, group=groups.intra, async_op=True)
+
+        def decode() -> list[bool]:
+            flat = ctx.flat
+            wide = accumulate_dtype(flat.dtype)
+            acc = flat if wide == flat.dtype else self._reused("frames-acc", flat, flat.numel(), wide)
+            bad = [False] * len(ctx.slots)
+            for k, lay in enumerate(layouts):
+                flags = ctx.decode_frames(
+                    gathered[k * width : k * width + nodes * lay.nbytes], [lay] * nodes,
+                    lambda j, i, k=k: ctx.view(i, acc)[bounds[i][k][0] : bounds[i][k][1]])
+                bad = [a or b for a, b in zip(bad, flags)]
+            acc.div_(nodes)
+            if acc is not flat:
+                flat.copy_(acc)
+            bad = [b or not all_finite(ctx.view(i)) for i, b in enumerate(bad)]
+            for i, flagged in enumerate(bad):
+                if flagged:
+                    sub.void(i)  # this rank's share residuals of a slot void on every rank
+            return bad
+
+        return ctx.finish(work, decode)
+
+
+__all__ = ["PHASE_SHARE", "Hierarchical", "frames_cross_node", "share_key"]

@@ -125,11 +125,21 @@ def test_predict_hierarchical_prices_three_links() -> None:
     nvlink, loopback = Link.from_gbit(1000), Link.from_gbit(8)
     shares = share_entries(BIG, 4)
     assert sum(e.numel for e in shares) == pytest.approx(numel / 4, abs=4) and [e.compressed for e in shares] == [True, False]
-    # nothing but the wire: compressed = all_to_all + the share's all-gather among 2 nodes + all_gather
+    # nothing but the wire: compressed = all_to_all + the share's all-gather among 2 nodes + the
+    # all_gather in the node of the 2 nodes' top-k frames (fewer bytes than the dense share)
     out = predict_hierarchical(BIG, 2, 4, NodeLinks(net, nvlink, net), free, topk, "allgather")
-    share_wire = wire_time(net, compressed_plan(shares, topk, "allgather", 2), 2)
-    intra = nvlink.alltoall(4 * numel, 4) + nvlink.allgather(4 * sum(e.numel for e in shares), 4)
+    plan = compressed_plan(shares, topk, "allgather", 2)
+    share_wire = wire_time(net, plan, 2)
+    assert 2 * plan["allgather"] < 0.1 * 4 * sum(e.numel for e in shares)
+    intra = nvlink.alltoall(4 * numel, 4) + nvlink.allgather(2 * plan["allgather"], 4)
     assert out["compressed"] == pytest.approx(share_wire + intra)
+    # 8-bit QSGD across 8 nodes: 8 frames of ~1 byte per element outweigh the share: it gathers dense
+    qsgd8 = commpress.codecs.get("qsgd", bits=8)
+    q = predict_hierarchical(BIG, 8, 4, NodeLinks(net, nvlink, net), free, qsgd8, "allgather")
+    q_shares = share_entries(BIG, 4, qsgd8.block_alignment())
+    q_wire = wire_time(net, compressed_plan(q_shares, qsgd8, "allgather", 8), 8)
+    q_intra = nvlink.alltoall(4 * numel, 4) + nvlink.allgather(4 * sum(e.numel for e in q_shares), 4)
+    assert q["compressed"] == pytest.approx(q_wire + q_intra)
     assert out["dense"] == pytest.approx(net.allreduce(4 * numel, 8))  # flat over all 8 ranks
     # across nodes the share costs about 1/L of what a flat 8-rank all-gather of the whole costs
     flat = predict(BIG, 8, net, free, topk, "allgather")["compressed"]

@@ -17,6 +17,7 @@ import torch
 from commpress.codecs import get as get_codec
 from commpress.comm import ALGORITHMS, Hierarchical, topology
 from commpress.comm.driver import Entry
+from commpress.comm.hierarchical import frames_cross_node
 from commpress.comm.topology import RankPlace, decide, explicit, read_environment
 from commpress.errors import CodecError, ConfigurationError
 
@@ -84,8 +85,19 @@ def test_share_layout_and_wire_plan() -> None:
     entries = [Entry(4096, True), Entry(64, False)]
     plan = Hierarchical.bind(topo, 0, ALGORITHMS["allgather"]).wire_plan(entries, codec, 4, torch.float32)
     flat = ALGORITHMS["allgather"].wire_plan(entries, codec, 4, torch.float32)
-    assert plan["intra_alltoall"] == plan["intra_allgather"] == 4 * (2048 + 32)
+    # step 3 gathers the 2 nodes' top-k frames of each share, not the 2080 dense floats of the widest share
+    assert plan["intra_alltoall"] == 4 * (2048 + 32)
+    assert plan["intra_allgather"] == 2 * plan["allgather"] < 0.2 * 4 * (2048 + 32)
     assert plan["allgather"] < 0.6 * flat["allgather"] and plan["decodes"] == 2.0
+    # the frames only where they are fewer bytes: 8-bit QSGD across 4 nodes (4 frames of ~1 byte
+    # per element) gathers the dense share; the all-reduce's sum (random-k, none) is dense anyway
+    qsgd8 = get_codec("qsgd", bits=8)
+    four = explicit(8, 2)
+    assert frames_cross_node(ALGORITHMS["allgather"], 1100, 2, 4000)
+    assert not frames_cross_node(ALGORITHMS["allgather"], 1100, 4, 4000)
+    assert not frames_cross_node(ALGORITHMS["allreduce"], 10, 2, 4000)
+    q = Hierarchical.bind(four, 0, ALGORITHMS["allgather"]).wire_plan(entries, qsgd8, 8, torch.float32)
+    assert 4 * (2048 + 32) <= q["intra_allgather"] < 4 * q["allgather"], q  # the widest share (QSGD's blocks), dense
     with pytest.raises(CodecError, match="needs the node layout"):
         ALGORITHMS["hierarchical"].residual_layout("w", (64, 64), codec, 4)
     with pytest.raises(CodecError, match="several nodes"):
@@ -126,6 +138,20 @@ def test_codecs_train_with_1_over_L_of_the_cross_node_bytes(report: dict, label:
     if hier["inner"] != "twophase":
         assert hier["inter_bytes_sent"] <= slack * flat["bytes_sent"], (hier, flat)
     assert hier["residual_elements"] * 2 == flat["residual_elements"]  # error feedback on the share only
+
+
+@pytest.mark.parametrize("label", ["topk", "sign", "qsgd"])
+def test_frames_inside_the_node_equal_the_dense_share(report: dict, label: str) -> None:
+    """Bit for bit (asserted in the workers), the same bytes across nodes, far fewer inside the node.
+
+    Top-k 1% and sign at 2 nodes: the frames are a few percent of the dense share; 4-bit QSGD's two
+    frames are a quarter of it. Step 1 (the dense reduce-scatter) is the same either way.
+    """
+    r = report["frames"][label]
+    assert r["inter_frames"] == r["inter_dense"], r
+    step1 = r["intra_dense"] / 2  # the all_to_all and the dense all-gather each send about half a buffer
+    limit = {"topk": 0.1, "sign": 0.15, "qsgd": 0.35}[label]
+    assert r["intra_frames"] - step1 < limit * (r["intra_dense"] - step1), r
 
 
 def test_resume_is_bit_exact(report: dict) -> None:
