@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -309,10 +309,13 @@ class Hierarchical(Algorithm):
             wide = accumulate_dtype(flat.dtype)
             acc = flat if wide == flat.dtype else self._reused("frames-acc", flat, flat.numel(), wide)
             bad = [False] * len(ctx.slots)
+
+            def piece(k: int) -> Callable[[int, int], torch.Tensor]:
+                # frame j (node j) of share k, entry i: piece k of slot i in the accumulator
+                return lambda j, i: ctx.view(i, acc)[bounds[i][k][0] : bounds[i][k][1]]
+
             for k, lay in enumerate(layouts):
-                flags = ctx.decode_frames(
-                    gathered[k * width : k * width + nodes * lay.nbytes], [lay] * nodes,
-                    lambda j, i, k=k: ctx.view(i, acc)[bounds[i][k][0] : bounds[i][k][1]])
+                flags = ctx.decode_frames(gathered[k * width : k * width + nodes * lay.nbytes], [lay] * nodes, piece(k))
                 bad = [a or b for a, b in zip(bad, flags)]
             acc.div_(nodes)
             if acc is not flat:
