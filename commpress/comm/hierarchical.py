@@ -80,7 +80,8 @@ def frames_cross_node(inner: Algorithm, frame_nbytes: int, nodes: int, share_nby
 
     Only after the all-gather of frames (every rank of a node can decode what its peer received),
     and only when the ``nodes`` frames of the widest share (``frame_nbytes`` each) are fewer bytes
-    than that share dense: top-k and sign always, QSGD 4-bit up to 7 nodes, 8-bit up to 3.
+    than that share dense: top-k 1% up to 49 nodes, sign up to 31, QSGD 4-bit up to 7, 8-bit up to 3
+    (sign and QSGD all-gather at 2 nodes by default, two-phase from 3).
     """
     return isinstance(inner, AllGather) and nodes * frame_nbytes < share_nbytes
 
