@@ -18,7 +18,16 @@ from ..codecs import Codec
 from ..dtypes import accumulate_dtype
 from ..feedback import ErrorFeedback
 from ..rng import derive_seed
-from .driver import Algorithm, Entry, Part, StepContext, all_gather_single, empty_plan, frame_layout
+from .driver import (
+    Algorithm,
+    Encoded,
+    Entry,
+    Part,
+    StepContext,
+    all_gather_single,
+    empty_plan,
+    frame_layout,
+)
 
 #: Phase tag mixed into derived seeds (no two encodes of one step share a seed by accident).
 PHASE_GATHER = 1
@@ -33,15 +42,21 @@ class AllGather(Algorithm):
         """One frame all-gathered; every element decoded from ``n`` packets."""
         return {**empty_plan(), "allgather": frame_layout(entries, codec, dtype).nbytes, "decodes": float(n)}
 
-    def launch(self, ctx: StepContext, server_feedback: ErrorFeedback | None) -> torch.futures.Future[torch.Tensor]:
-        """Encode every slot, all-gather the frames, decode-and-average in the future."""
+    @staticmethod
+    def encode(ctx: StepContext) -> Encoded:
+        """Encode the rank's frame of every slot (seeded per rank), counted as the all-gather's bytes."""
         parts = [Part(i, 0, s.numel, s.key, derive_seed(s.seed, PHASE_GATHER, ctx.rank), s.shape)
                  for i, s in enumerate(ctx.slots)]
         enc = ctx.encode_frames([parts])
         nbytes = enc.layouts[0].nbytes
-        recv = torch.empty(ctx.n * nbytes, dtype=torch.uint8, device=ctx.device)
         ctx.count(collectives=1, bytes_sent=nbytes, bytes_wire=(ctx.n - 1) * nbytes,
                   encode_s=ctx.lap(), nonfinite_local=sum(enc.bad))
+        return enc
+
+    def launch(self, ctx: StepContext, server_feedback: ErrorFeedback | None) -> torch.futures.Future[torch.Tensor]:
+        """Encode every slot, all-gather the frames, decode-and-average in the future."""
+        enc = self.encode(ctx)
+        recv = torch.empty(ctx.n * enc.layouts[0].nbytes, dtype=torch.uint8, device=ctx.device)
         work = all_gather_single(recv, enc.send, group=ctx.group, async_op=True)
 
         def decode() -> list[bool]:

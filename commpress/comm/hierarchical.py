@@ -51,17 +51,8 @@ from ..errors import CodecError
 from ..feedback import ErrorFeedback
 from ..rng import derive_seed
 from ..wire.frame import FrameLayout
-from .allgather import PHASE_GATHER, AllGather
-from .driver import (
-    Algorithm,
-    Entry,
-    Part,
-    Piece,
-    Slot,
-    StepContext,
-    all_gather_single,
-    frame_layout,
-)
+from .allgather import AllGather
+from .driver import Algorithm, Entry, Piece, Slot, StepContext, all_gather_single, frame_layout
 from .stats import LevelStats
 from .topology import NodeGroups, Topology, node_groups
 from .twophase import piece_bounds
@@ -290,14 +281,10 @@ class Hierarchical(Algorithm):
         """
         _, groups, _ = self._bound()
         nodes, L = sub.n, len(layouts)
-        parts = [Part(i, 0, s.numel, s.key, derive_seed(s.seed, PHASE_GATHER, sub.rank), s.shape)
-                 for i, s in enumerate(sub.slots)]
-        enc = sub.encode_frames([parts])
+        enc = AllGather.encode(sub)
         nbytes = enc.layouts[0].nbytes
         width = nodes * max(lay.nbytes for lay in layouts)  # one local rank's frames, padded to the widest
         out = self._reused("frames-send", ctx.flat, width, torch.uint8)
-        sub.count(collectives=1, bytes_sent=nbytes, bytes_wire=(nodes - 1) * nbytes, encode_s=sub.lap(),
-                  nonfinite_local=sum(enc.bad))
         sub.wait(all_gather_single(out[: nodes * nbytes], enc.send, group=groups.inter, async_op=True))
         out[nodes * nbytes :].zero_()
         gathered = self._reused("frames-recv", ctx.flat, L * width, torch.uint8)
