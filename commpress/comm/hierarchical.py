@@ -238,11 +238,11 @@ class Hierarchical(Algorithm):
         slots = [Slot(share_key(s.key, j), off, (b[j][1] - b[j][0],), s.codec, derive_seed(s.seed, PHASE_SHARE, j),
                       s.feedback) for s, b, off in zip(ctx.slots, bounds, offsets)]
         sub = StepContext(share, slots, groups.inter, LevelStats(ctx.stats, "inter", (*LevelStats.TOTALS, "nonfinite_slots")))
-        layouts = [FrameLayout([(share_key(s.key, k), s.codec, b[k][1] - b[k][0]) for s, b in zip(ctx.slots, bounds)],
-                               flat.dtype) for k in range(L)]
-        if self.gather_frames and frames_cross_node(inner, max(lay.nbytes for lay in layouts), topo.nodes,
-                                                    max(sizes) * elt):
-            return self._frames_inside(ctx, sub, bounds, layouts)
+        if self.gather_frames and isinstance(inner, AllGather):  # the layouts only where frames can cross
+            layouts = [FrameLayout([(share_key(s.key, k), s.codec, b[k][1] - b[k][0])
+                                    for s, b in zip(ctx.slots, bounds)], flat.dtype) for k in range(L)]
+            if frames_cross_node(inner, max(lay.nbytes for lay in layouts), topo.nodes, max(sizes) * elt):
+                return self._frames_inside(ctx, sub, bounds, layouts)
         inner.launch(sub, server_feedback).wait()  # bounded: the fault channel fails this future
         # 3. dense all-gather inside the node
         width = max(sizes)
