@@ -402,14 +402,42 @@ def worker_overlap_stats(rank: int, world: int, out: str) -> None:
                 F.cross_entropy(model(x), y).backward()
                 opt.step()
             pending = diloco._pending is not None  # overlap: the last sync is still in flight here
-        diloco.finish()  # merges it and loads the global copy: the model is the same on every rank
+            scheduled = diloco.stats()
+        diloco.finish()  # merges it, syncs the fragments' steps no sync took, loads the global copy
         assert_all_ranks(all(torch.equal(p, g) for p, g in zip(model.parameters(), diloco.global_params)),
                          f"fragments {k}, overlap {tau}: the model is not the global copy after finish()")
         assert_all_ranks(same_across_ranks(model), f"fragments {k}, overlap {tau}: ranks differ after finish()")
         assert_all_ranks(diloco._pending is None and (pending or tau == 0), f"fragments {k}, overlap {tau}: pending {pending}")
-        seen[f"{k},{tau}"] = diloco.stats()
+        seen[f"{k},{tau}"] = {**scheduled, "syncs_after_finish": diloco.stats()["syncs"]}
     if rank == 0:
         Path(out).write_text(json.dumps(seen))
+
+
+def worker_finish_syncs_the_tail(rank: int, world: int) -> None:
+    """A run shorter than sync_every: finish() syncs those steps, so the model is the replicas' average
+    (dense outer gradient, outer SGD lr 1 without momentum), not the initial parameters."""
+    model = Net()
+    start = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    with commpress.local.DiLoCo(model, opt, sync_every=8, codec="none", outer_lr=1.0, outer_momentum=0.0,
+                                nesterov=False) as diloco:
+        for step in range(5):
+            x, y = batch(rank, step)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+    assert_all_ranks(diloco.stats()["syncs"] == 0, "no sync is due in 5 steps of sync_every=8")
+    mean = [p.detach().clone() for p in model.parameters()]
+    for t in mean:
+        dist.all_reduce(t)
+        t /= world
+    diloco.finish()
+    assert_all_ranks(diloco.stats()["syncs"] == 1, f"finish() ran {diloco.stats()['syncs']} syncs, not 1")
+    assert_all_ranks(same_across_ranks(model), "ranks differ after finish()")
+    assert_all_ranks(all(torch.allclose(p, m, atol=1e-6) for p, m in zip(model.parameters(), mean)),
+                     "after finish() the model is not the average of the replicas' 5 local steps")
+    assert_all_ranks(not any(torch.equal(p, s) for p, s in zip(model.parameters(), start)),
+                     "finish() dropped the 5 local steps: the model is the initial one")
 
 
 def worker_replicas(rank: int, world: int, codec: str, h: int) -> None:

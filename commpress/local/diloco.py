@@ -224,14 +224,22 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
         if self.auto is not None and not self.auto.decided:
             self.auto.note_step()
         if self.step % self.interval == 0:
-            fragment = (self.step // self.interval - 1) % self.fragments
-            with torch.no_grad(), self.faults.guarded(self.where()):
-                self.arrive(self.syncs)
-                if self.auto is not None and not self.auto.decided:
-                    self._decide()
-                self._launch(fragment)
-            self.syncs += 1
+            self._sync_fragment((self.step // self.interval - 1) % self.fragments)
             self._merge_if_due()  # overlap=0: at once
+
+    def _sync_fragment(self, fragment: int) -> None:
+        """Launch ``fragment``'s sync now (every rank arrives first; ``auto`` decides before the first)."""
+        with torch.no_grad(), self.faults.guarded(self.where()):
+            self.arrive(self.syncs)
+            if self.auto is not None and not self.auto.decided:
+                self._decide()
+            self._launch(fragment)
+        self.syncs += 1
+
+    def _unsynced_fragments(self) -> list[int]:
+        """The fragments holding inner steps no sync has taken: all but one launched at this very step."""
+        just = (self.step // self.interval - 1) % self.fragments if self.step and self.step % self.interval == 0 else -1
+        return [f for f in range(self.fragments) if f != just] if self.step else []
 
     def _decide(self) -> None:
         """``codec="auto"``: choose the outer codec before the first sync launches (:mod:`.auto`)."""
@@ -292,15 +300,20 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
             self._flushed = p.sync if self.step < p.launched + self.overlap else None
 
     def finish(self) -> None:
-        """:meth:`flush`, then load the global copy into the model: every rank ends with the same parameters.
+        """:meth:`flush`, sync what no sync has taken, then load the global copy into the model.
 
-        Call it once after the last inner step (every rank): the model is then the one DiLoCo
-        trained, the same on every rank, not a replica holding its own unsynced steps (with
-        ``overlap`` or ``fragments``, or a loop ending between syncs, those local steps are
-        dropped). Leaving the ``with`` block does not do it, so a run can leave and re-enter the
-        block (to checkpoint, to evaluate) without changing its course.
+        Call it once after the last inner step (every rank, at the same step): the model is then
+        the one DiLoCo trained, the same on every rank. Inner steps taken since a fragment's last
+        sync (a loop ending between syncs, or the steps after a launch with ``overlap``, or the
+        other fragments) go through one more sync per such fragment, blocking, with the outer
+        step, so no rank's work is dropped, however short the run (a run shorter than
+        ``sync_every`` syncs once, here). Leaving the ``with`` block does not do it, so a run can
+        leave and re-enter the block (to checkpoint, to evaluate) without changing its course.
         """
         self.flush()
+        for fragment in self._unsynced_fragments():
+            self._sync_fragment(fragment)
+            self.flush()
         with torch.no_grad():
             for param, g in zip(self.params, self.global_params):
                 param.copy_(g.to(param.device, param.dtype))

@@ -123,8 +123,15 @@ def test_overlap_peak_bytes_are_one_fragment_and_waits_are_measured(tmp_path: Pa
     for key, s in seen.items():
         assert s["sync_transfer_s"] > 0 and 0 <= s["sync_wait_s"], (key, s)
         assert s["syncs"] == 12 // (4 // int(key[0])), (key, s)
+    # finish(): one more sync per fragment holding steps no sync took (all but the one launched at step 12)
+    assert {key: s["syncs_after_finish"] - s["syncs"] for key, s in seen.items()} == {"1,0": 0, "2,0": 1, "2,2": 1, "4,1": 3}
     # how much of the transfer the overlap hides is a timing (scripts/bench_local.py prints it): on
     # a loaded 2-core machine a blocking sync can finish before the loop waits, so no ratio here
+
+
+def test_finish_syncs_the_steps_no_sync_took() -> None:
+    # a run of 5 steps with sync_every=8 ends with the replicas' average, the same on both ranks
+    w.launch(lw.worker_finish_syncs_the_tail, 2, timeout=120)
 
 
 def test_replicas_of_two_ranks_agree_after_every_sync() -> None:
