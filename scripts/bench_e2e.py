@@ -448,7 +448,8 @@ def cluster_main(args: argparse.Namespace) -> int:
         for link in args.links or ["1gbit"]:
             with ShapedNetwork(args.nodes, None if link == "unshaped" else link,
                                ranks_per_node=args.local_world_size) as net:
-                data = launch(net, net.world_size, workload, steps, args.cluster_eval_every, port, args.timeout, methods)
+                data = launch(net, net.world_size, workload, steps, args.cluster_eval_every, port, args.timeout, methods,
+                              extra=("--warmup", str(args.cluster_count_from)))
                 shaped = net.shaped
             port += 1
             if args.json:
@@ -456,7 +457,7 @@ def cluster_main(args: argparse.Namespace) -> int:
                     f.write(json.dumps({"key": [workload, link, args.nodes, args.local_world_size], **data}) + "\n")
             print(f"\n{workload}, {args.nodes} nodes x {args.local_world_size} ranks, {link} between nodes "
                   f"({'shaped' if shaped else 'NOT shaped: loopback, nothing measured'}), {data['steps']} steps "
-                  f"(the first 2 not counted); bytes per step, node 0, node 1, ...:\n")
+                  f"(the first {args.cluster_count_from} not counted); bytes per step, node 0, node 1, ...:\n")
             print("\n".join(cluster_table(data, args.nodes, args.local_world_size)))
             if args.cluster_eval_every and any(r["method"] == "allreduce" for r in data["results"]):
                 print("\n" + "\n".join(tta_table(data)))  # quality at equal steps, step time, time to dense's loss
@@ -495,6 +496,9 @@ def main() -> int:
     ap.add_argument("--local-world-size", type=int, default=1,
                     help="--nodes: ranks per host; prints measured against claimed cross-node bytes per step "
                          "(--workloads, --links, --methods; steps: --digits-steps / --lm-steps, default 30)")
+    ap.add_argument("--cluster-count-from", type=int, default=2, metavar="N",
+                    help="--nodes: bytes per step and the median step count from step N (default 2; e.g. 52 to leave "
+                         "out AdamW's 50 warm-up steps and see the steady state); time to target counts every step")
     ap.add_argument("--cluster-eval-every", type=int, default=0,
                     help="--nodes: held-out evaluation every N steps (0: none); with it, the time-to-target table too")
     args = ap.parse_args()
