@@ -254,7 +254,8 @@ def case_auto(rank: int) -> dict[str, Any]:
             "slow_intra_gbit": slow["auto_intra_gbit"], "slow_inter_gbit": slow["auto_inter_gbit"],
             "residual_kept": kept, "residual_left": left, "fast_options": options,
             "fast_switches": fast["auto_switches"], "calibrated_hierarchical": c["hierarchical"],
-            "calibrated_intra_gbit": c["auto_intra_gbit"], "calibrated_inter_gbit": c["auto_inter_gbit"]}
+            "calibrated_intra_gbit": c["auto_intra_gbit"], "calibrated_inter_gbit": c["auto_inter_gbit"],
+            "calibrated_candidate": calibrated.codec.name}
 
 
 def worker_all(rank: int, world: int, outdir: str, steps: int) -> None:

@@ -205,20 +205,21 @@ class AutoPolicy:
     @classmethod
     def from_options(
         cls, options: dict[str, Any], optimizer: torch.optim.Optimizer | None = None, momentum: float = 0.0,
-        world_size: int = 2,
+        world_size: int = 2, hierarchical: bool = False,
     ) -> tuple[str, AutoPolicy]:
         """Pop the ``auto_*`` options from ``options``; return the candidate codec's name and a policy.
 
         Without ``auto_codec`` the candidate is :func:`default_candidate` of ``optimizer``,
-        ``momentum`` and ``world_size`` (what the state is given; its codec parameters are
-        added to ``options``), or QSGD when codec parameters are given.
+        ``momentum``, ``world_size`` and ``hierarchical`` (what the state is given; on several
+        nodes ``world_size`` is the nodes; its codec parameters are added to ``options``), or
+        QSGD when codec parameters are given.
         """
         candidate = options.pop("auto_codec", None)
         if candidate is None:
             if any(key not in AUTO_OPTIONS for key in options):
                 candidate, why = SAFE_CANDIDATE, "codec parameters without auto_codec are QSGD's"
             else:
-                candidate, params, why = default_candidate(optimizer, momentum, world_size)
+                candidate, params, why = default_candidate(optimizer, momentum, world_size, hierarchical)
                 options.update(params)
             logger.info("commpress auto: candidate %s (%s)", candidate, why)
         if not isinstance(candidate, str) or candidate in ("auto", "none", "fp16", "bf16"):

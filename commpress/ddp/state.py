@@ -165,11 +165,13 @@ class CompressionState(DDPCheckpoint, LogsStats):
         if isinstance(codec, str) and codec == "auto":
             codec_params = dict(codec_params)
             group = process_group if process_group is not None else getattr(model, "process_group", None)
-            ranks = 2
+            ranks, several_nodes = 2, False
             if dist.is_available() and dist.is_initialized():
                 known = topology.resolve(group, local_world_size, opts.check_timeout(verify_timeout))
                 ranks = known.nodes  # the ranks of the compressed hop: every rank, or one per node
-            codec, auto = AutoPolicy.from_options(codec_params, optimizer, momentum, ranks)  # the candidate codec and the policy
+                several_nodes = known.hierarchical
+            # the candidate codec and the policy
+            codec, auto = AutoPolicy.from_options(codec_params, optimizer, momentum, ranks, several_nodes)
         self.codec = comm.resolve_codec(codec, codec_params, "DDP's collectives")
         error_feedback = opts.error_feedback_default(error_feedback, self.codec)
         opts.check_bools(error_feedback=error_feedback, dense_1d=dense_1d, verify=verify)

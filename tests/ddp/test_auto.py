@@ -258,6 +258,9 @@ def test_default_candidate_follows_who_owns_the_momentum() -> None:
     assert default_candidate(sgd, world_size=4)[:2] == ("sign", {})
     assert default_candidate(torch.optim.AdamW(params, lr=1e-3), world_size=8)[0] == "sign"
     assert default_candidate(None, momentum=0.9, world_size=2)[0] == "topk"
+    # across nodes (the hierarchy's share) QSGD, whatever the optimizer
+    assert default_candidate(sgd, world_size=2, hierarchical=True)[:2] == ("qsgd", {})
+    assert default_candidate(None, world_size=4, hierarchical=True)[0] == "qsgd"
     none, _, why = default_candidate(None)
     assert none == "qsgd" and "optimizer=" in why
     assert default_candidate(torch.optim.Adam(params, amsgrad=True))[0] == "qsgd"  # runs unchanged

@@ -200,7 +200,8 @@ def test_a_failure_in_either_level_reaches_every_rank(level: str, tmp_path: Path
 def test_auto_compresses_through_the_hierarchy_on_a_slow_network(report: dict) -> None:
     """codec='auto' on 2 x 2 (asserted in the workers: ranks bit-identical every step, calibrated links and
     choices equal everywhere): a slow network compresses across nodes only, a fast one goes flat dense and
-    flushes every share residual; the node's link is measured apart from the network's."""
+    flushes every share residual; the node's link is measured apart from the network's; without auto_codec
+    the candidate across nodes is QSGD (SGD momentum passed: flat at 2 ranks it would be top-k)."""
     auto = report["auto"]
     assert auto["slow_compressed_buckets"] >= 1 and auto["slow_inter_bytes"] > 0, auto
     assert auto["slow_inter_gbit"] == pytest.approx(0.001) and auto["slow_intra_gbit"] > 0.01, auto  # SLOW: 1 Mbit/s
@@ -208,6 +209,7 @@ def test_auto_compresses_through_the_hierarchy_on_a_slow_network(report: dict) -
     assert auto["fast_options"] and set(auto["fast_options"]) == {"dense"} and auto["fast_switches"] >= 1, auto
     assert auto["calibrated_hierarchical"] == 1.0, auto
     assert auto["calibrated_intra_gbit"] > 0 and auto["calibrated_inter_gbit"] > 0, auto
+    assert auto["calibrated_candidate"] == "qsgd", auto
 
 
 def test_warmup_through_a_codec_crosses_the_nodes_hierarchical(report: dict) -> None:
