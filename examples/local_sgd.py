@@ -8,7 +8,8 @@ Run::
 
 No DDP wrapper: each rank trains its own copy with its own optimizer, and every ``--sync-every``
 inner steps ``opt.step()`` also averages the pseudo-gradient (global copy - local copy) over the
-ranks through 4-bit QSGD and lets an outer Nesterov SGD step on it; then every rank continues
+ranks through 4-bit QSGD and lets the outer optimizer (plain SGD, lr 1: the global copy becomes
+the replicas' average) step on it; then every rank continues
 from the same new global copy. The training loop itself does not change. With ``--fragments K``
 each sync moves 1/K of the parameters (a fragment every H/K steps); with ``--overlap T`` it runs
 behind the next T inner steps and is merged then; ``diloco.finish()`` after the loop loads the

@@ -243,7 +243,7 @@ def worker_ranks_disagree(rank: int, world: int) -> None:
     with pytest.raises(ValueError, match="unknown codec"):
         commpress.local.DiLoCo(model, opt, codec="zstd")
     with pytest.raises(ConfigurationError, match="outer_momentum > 0"):
-        commpress.local.DiLoCo(model, opt, outer_momentum=0.0)
+        commpress.local.DiLoCo(model, opt, outer_momentum=0.0, nesterov=True)
     with pytest.raises(ValueError, match="ratio|k"):
         commpress.local.DiLoCo(model, opt, codec="topk", ratio=2.0)
     with pytest.raises(ConfigurationError, match="must be a multiple of fragments=3"):
@@ -333,7 +333,8 @@ def _streaming_reference(rank: int, world: int, h: int, k: int, tau: int, alpha:
     glob = [p.detach().clone() for p in ref_params]
     outer = torch.optim.SGD(glob, lr=0.5, momentum=0.8, nesterov=True)
     interval = h // k
-    diloco = commpress.local.DiLoCo(model, opt, sync_every=h, codec="none", fragments=k, overlap=tau, merge_alpha=alpha)
+    diloco = commpress.local.DiLoCo(model, opt, sync_every=h, codec="none", fragments=k, overlap=tau, merge_alpha=alpha,
+                                    outer_lr=0.5, outer_momentum=0.8, nesterov=True)  # the reference's outer momentum
     bounds = diloco.bounds
     assert len(bounds) == k + 1 and bounds[0] == 0 and bounds[-1] == len(ref_params)
     pending: tuple[int, int, list[torch.Tensor]] | None = None  # (fragment, launched, averaged delta)
