@@ -439,6 +439,14 @@ def worker_finish_syncs_the_tail(rank: int, world: int) -> None:
                      "after finish() the model is not the average of the replicas' 5 local steps")
     assert_all_ranks(not any(torch.equal(p, s) for p, s in zip(model.parameters(), start)),
                      "finish() dropped the 5 local steps: the model is the initial one")
+    assert_all_ranks(diloco.stats()["final_syncs"] == 1, f"final_syncs {diloco.stats()['final_syncs']}")
+    # a checkpoint written after finish() loads (the schedule's own sync count still fits the step)
+    other = Net()
+    again = commpress.local.DiLoCo(other, torch.optim.SGD(other.parameters(), lr=0.05), sync_every=8, codec="none",
+                                   outer_lr=1.0, outer_momentum=0.0, nesterov=False)
+    again.load_state_dict(diloco.state_dict())
+    assert_all_ranks(all(torch.equal(a, b) for a, b in zip(again.global_params, diloco.global_params)),
+                     "the checkpoint written after finish() did not restore the finished global copy")
 
 
 def worker_replicas(rank: int, world: int, codec: str, h: int) -> None:

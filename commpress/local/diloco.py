@@ -199,6 +199,7 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
         self.skipped = 0
         self._pending: _Pending | None = None  # the fragment sync in flight (at most one: overlap <= H/fragments)
         self._flushed: int | None = None  # the sync flush() merged before its due step (a checkpoint then holds none)
+        self.final_syncs = 0  # finish()'s syncs of the steps no scheduled sync took (not checkpointed)
         self.sync_wait_s = 0.0  # seconds the inner loop blocked waiting for syncs
         self.sync_transfer_s = 0.0  # launch-to-completion seconds of the syncs' collectives
         self.peak_bytes_in_flight = 0.0
@@ -238,14 +239,22 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
             self._sync_fragment((self.step // self.interval - 1) % self.fragments)
             self._merge_if_due()  # overlap=0: at once
 
-    def _sync_fragment(self, fragment: int) -> None:
-        """Launch ``fragment``'s sync now (every rank arrives first; ``auto`` decides before the first)."""
-        with torch.no_grad(), self.faults.guarded(self.where()):
-            self.arrive(self.syncs)
+    def _sync_fragment(self, fragment: int, final: bool = False) -> None:
+        """Launch ``fragment``'s sync now (every rank arrives first; ``auto`` decides before the first).
+
+        ``final``: one of :meth:`finish`'s, counted in :attr:`final_syncs`, not in the schedule's
+        :attr:`syncs` (which a checkpoint checks against the step).
+        """
+        index = self.syncs + self.final_syncs  # the codecs' seeds and the arrival check: unique per sync
+        with torch.no_grad(), self.faults.guarded(self.where(index)):
+            self.arrive(index)
             if self.auto is not None and not self.auto.decided:
                 self._decide()
-            self._launch(fragment)
-        self.syncs += 1
+            self._launch(fragment, index)
+        if final:
+            self.final_syncs += 1
+        else:
+            self.syncs += 1
 
     def _unsynced_fragments(self) -> list[int]:
         """The fragments holding inner steps no sync has taken: all but one launched at this very step."""
@@ -274,15 +283,15 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
             with torch.no_grad(), self.faults.guarded(self.where(p.sync, self.step)):
                 self._merge(p)
 
-    def _launch(self, fragment: int) -> None:
+    def _launch(self, fragment: int, index: int) -> None:
         """Steps 1-2 for one fragment: its pseudo-gradient, and the async collective that averages it."""
         lo, hi, a, b = self.fragment_range(fragment)
         delta = self._delta[a:b]
         for p, view in zip(self.params[lo:hi], self._views(self._delta)[lo:hi]):
             view.copy_(p.detach())
         torch.sub(self._global[a:b].to(self.device, non_blocking=True), delta, out=delta)
-        pending = _Pending(fragment, self.step, self.syncs)
-        pending.reduction = self.outer.launch(delta, self.syncs, self.process_group, lo, hi)
+        pending = _Pending(fragment, self.step, index)
+        pending.reduction = self.outer.launch(delta, index, self.process_group, lo, hi)
         pending.started = time.perf_counter()  # encoded, collective issued: the transfer starts here
         pending.reduction.future.add_done_callback(pending.mark_done)
         self.peak_bytes_in_flight = max(self.peak_bytes_in_flight, pending.reduction.nbytes)
@@ -318,13 +327,16 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
         sync (a loop ending between syncs, or the steps after a launch with ``overlap``, or the
         other fragments) go through one more sync per such fragment, blocking, with the outer
         step, so no rank's work is dropped, however short the run (a run shorter than
-        ``sync_every`` syncs once, here). Leaving the ``with`` block does not do it, so a run can
+        ``sync_every`` syncs once, here); ``stats()["final_syncs"]`` counts them. A checkpoint
+        written after it holds the finished global copy and resumes from there. Leaving the ``with`` block does not do it, so a run can
         leave and re-enter the block (to checkpoint, to evaluate) without changing its course.
         """
         self.flush()
+        flushed = self._flushed  # the scheduled sync merged early, if any: what a checkpoint here records
         for fragment in self._unsynced_fragments():
-            self._sync_fragment(fragment)
+            self._sync_fragment(fragment, final=True)
             self.flush()
+        self._flushed = flushed
         with torch.no_grad():
             for param, g in zip(self.params, self.global_params):
                 param.copy_(g.to(param.device, param.dtype))
@@ -377,11 +389,11 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
         sync handed to its collective (at most one sync is in flight at a time).
         """
         s: dict[str, float] = dict(self.outer.counters.as_dict())
-        s.update(steps=self.step, syncs=self.syncs, skipped_syncs=self.skipped, sync_wait_s=self.sync_wait_s,
+        s.update(steps=self.step, syncs=self.syncs + self.final_syncs, final_syncs=self.final_syncs, skipped_syncs=self.skipped, sync_wait_s=self.sync_wait_s,
                  sync_transfer_s=self.sync_transfer_s, peak_bytes_in_flight=self.peak_bytes_in_flight)
         if self.auto is not None:
             s.update(self.auto.stats())
-        return ratio_stats(s, self.syncs)
+        return ratio_stats(s, self.syncs + self.final_syncs)
 
     def state_dict(self) -> dict[str, Any]:
         """Global copy, outer optimizer, residuals, counters and config: tensors and plain types only.
