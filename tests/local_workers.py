@@ -447,6 +447,24 @@ def worker_finish_syncs_the_tail(rank: int, world: int) -> None:
     again.load_state_dict(diloco.state_dict())
     assert_all_ranks(all(torch.equal(a, b) for a, b in zip(again.global_params, diloco.global_params)),
                      "the checkpoint written after finish() did not restore the finished global copy")
+    # LocalSGD the same: 5 steps of sync_every=8, finish() averages them
+    local_model = Net()
+    local_opt = torch.optim.SGD(local_model.parameters(), lr=0.05, momentum=0.9)
+    with commpress.local.LocalSGD(local_model, local_opt, sync_every=8) as local:
+        for step in range(5):
+            x, y = batch(rank, step)
+            local_opt.zero_grad()
+            F.cross_entropy(local_model(x), y).backward()
+            local_opt.step()
+    mean = [p.detach().clone() for p in local_model.parameters()]
+    for t in mean:
+        dist.all_reduce(t)
+        t /= world
+    local.finish()
+    assert_all_ranks(local.stats()["syncs"] == 1 and local.stats()["final_syncs"] == 1, f"LocalSGD {local.stats()}")
+    assert_all_ranks(same_across_ranks(local_model), "LocalSGD: ranks differ after finish()")
+    assert_all_ranks(all(torch.allclose(p, m, atol=1e-6) for p, m in zip(local_model.parameters(), mean)),
+                     "LocalSGD: after finish() the model is not the replicas' average")
 
 
 def worker_replicas(rank: int, world: int, codec: str, h: int) -> None:

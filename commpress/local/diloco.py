@@ -155,7 +155,8 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
     def __init__(
         self, model: Any, inner_optimizer: Any, sync_every: int = DEFAULT_SYNC_EVERY,
         codec: str | Codec | None = None, *, outer_lr: float = DEFAULT_OUTER_LR,
-        outer_momentum: float = DEFAULT_OUTER_MOMENTUM, nesterov: bool = False, outer_optimizer: OuterFactory | None = None, process_group: Any = None,
+        outer_momentum: float = DEFAULT_OUTER_MOMENTUM, nesterov: bool = False,
+        outer_optimizer: OuterFactory | None = None, process_group: Any = None,
         seed: int = 0, global_device: torch.device | str = "cpu", min_numel: int = 1024,
         fragments: int = DEFAULT_FRAGMENTS, overlap: int | None = None, merge_alpha: float = DEFAULT_MERGE_ALPHA,
         verify_timeout: float = VERIFY_TIMEOUT_S, sync_timeout: float = SYNC_TIMEOUT_S, replica_group: Any = None,
@@ -199,7 +200,6 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
         self.skipped = 0
         self._pending: _Pending | None = None  # the fragment sync in flight (at most one: overlap <= H/fragments)
         self._flushed: int | None = None  # the sync flush() merged before its due step (a checkpoint then holds none)
-        self.final_syncs = 0  # finish()'s syncs of the steps no scheduled sync took (not checkpointed)
         self.sync_wait_s = 0.0  # seconds the inner loop blocked waiting for syncs
         self.sync_transfer_s = 0.0  # launch-to-completion seconds of the syncs' collectives
         self.peak_bytes_in_flight = 0.0
@@ -389,8 +389,9 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
         sync handed to its collective (at most one sync is in flight at a time).
         """
         s: dict[str, float] = dict(self.outer.counters.as_dict())
-        s.update(steps=self.step, syncs=self.syncs + self.final_syncs, final_syncs=self.final_syncs, skipped_syncs=self.skipped, sync_wait_s=self.sync_wait_s,
-                 sync_transfer_s=self.sync_transfer_s, peak_bytes_in_flight=self.peak_bytes_in_flight)
+        s.update(steps=self.step, syncs=self.syncs + self.final_syncs, final_syncs=self.final_syncs,
+                 skipped_syncs=self.skipped, sync_wait_s=self.sync_wait_s, sync_transfer_s=self.sync_transfer_s,
+                 peak_bytes_in_flight=self.peak_bytes_in_flight)
         if self.auto is not None:
             s.update(self.auto.stats())
         return ratio_stats(s, self.syncs + self.final_syncs)

@@ -26,9 +26,10 @@ class LocalSGD(LocalSchedule):
     next sync with :class:`~commpress.errors.RankFailedError` naming it, within ``sync_timeout``
     seconds (:mod:`.schedule`). Example::
 
-        with commpress.local.LocalSGD(model, opt, sync_every=8):
+        with commpress.local.LocalSGD(model, opt, sync_every=8) as local:
             for x, y in batches:
                 opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
+        local.finish()  # averages the steps since the last sync (a loop ending between syncs)
     """
 
     what = "commpress.local.LocalSGD"
@@ -54,7 +55,8 @@ class LocalSGD(LocalSchedule):
 
     def stats(self) -> dict[str, float]:
         """Inner steps, syncs and the bytes handed to the all-reduce."""
-        return {"steps": self.step, "syncs": self.syncs, **self.counters.as_dict()}
+        return {"steps": self.step, "syncs": self.syncs + self.final_syncs, "final_syncs": self.final_syncs,
+                **self.counters.as_dict()}
 
 
 __all__ = ["LocalSGD"]

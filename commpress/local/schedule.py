@@ -146,7 +146,8 @@ class LocalSchedule:
         self._arrive_prefix = f"commpress/local/{name}/{LocalSchedule._built[name]}/arrived/"
         self._failed: BaseException | None = None  # a peer lost at a sync: every later sync raises it
         self.step = 0  # inner steps taken (the schedule's clock; checkpointed)
-        self.syncs = 0  # syncs run
+        self.syncs = 0  # syncs run by the schedule (checkpoints check it against the step)
+        self.final_syncs = 0  # syncs run by finish(), of the steps the schedule had not synced
         self._handle: Any = None
 
     @staticmethod
@@ -189,12 +190,28 @@ class LocalSchedule:
     def tick(self) -> None:
         """After inner step :attr:`step`: run the sync when it is due (every ``sync_every`` steps)."""
         if self.step % self.sync_every == 0:
-            with torch.no_grad(), self.faults.guarded(self.where()):
-                self.arrive(self.syncs)
-                error = self.sync()
+            self._run_sync(final=False)
+
+    def _run_sync(self, final: bool) -> None:
+        """One sync on every rank: the schedule's, or (``final``) :meth:`finish`'s."""
+        index = self.syncs + self.final_syncs  # the arrival check's key: unique per sync
+        with torch.no_grad(), self.faults.guarded(self.where(index)):
+            self.arrive(index)
+            error = self.sync()
+        if final:
+            self.final_syncs += 1
+        else:
             self.syncs += 1
-            if error is not None:  # the same on every rank (decided from one collective's result)
-                raise error
+        if error is not None:  # the same on every rank (decided from one collective's result)
+            raise error
+
+    def finish(self) -> None:
+        """Sync the steps taken since the last sync: call it once after the last inner step, every rank.
+
+        Every rank then ends with the same model (nothing is sent when the loop ended at a sync).
+        """
+        if self.step % self.sync_every:
+            self._run_sync(final=True)
 
     def where(self, sync: int | None = None, step: int | None = None) -> str:
         """Names a sync in errors: ``"commpress.local.DiLoCo sync 3 (inner step 8)"``."""
