@@ -277,8 +277,8 @@ def run_one(rank: int, world: int, kind: str, options: dict[str, Any], args: arg
             print(f"[bench_local {args.link}] {label}: step {done}/{args.steps}, held-out loss {metrics['loss']:.4f}, "
                   f"train {train_s:.1f} s", file=sys.stderr, flush=True)
             t0 = time.perf_counter()
-        if kind == "diloco":  # evaluate the global copy (between syncs the fragments differ per rank)
-            trainer.finish()  # merge the sync in flight and load the global copy into the model (timed)
+        if kind in ("diloco", "localsgd"):  # evaluate the synced model (between syncs the replicas differ)
+            trainer.finish()  # sync the steps since the last sync (DiLoCo: merge the one in flight, load the global copy); timed
     train_s += time.perf_counter() - t0
     extra: dict[str, Any] = {"train_s": train_s}
     if trainer is not None:
