@@ -414,36 +414,38 @@ def worker_overlap_stats(rank: int, world: int, out: str) -> None:
         Path(out).write_text(json.dumps(seen))
 
 
-def worker_finish_syncs_the_tail(rank: int, world: int) -> None:
-    """A run shorter than sync_every: finish() syncs those steps, so the model is the replicas' average
-    (dense outer gradient, outer SGD lr 1 without momentum), not the initial parameters."""
-    model = Net()
-    start = [p.detach().clone() for p in model.parameters()]
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    with commpress.local.DiLoCo(model, opt, sync_every=8, codec="none", outer_lr=1.0, outer_momentum=0.0,
-                                nesterov=False) as diloco:
-        for step in range(5):
-            x, y = batch(rank, step)
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-    assert_all_ranks(diloco.stats()["syncs"] == 0, "no sync is due in 5 steps of sync_every=8")
+def _replicas_mean(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The average over the ranks of ``model``'s parameters (each rank's own replica)."""
     mean = [p.detach().clone() for p in model.parameters()]
     for t in mean:
         dist.all_reduce(t)
-        t /= world
+        t /= dist.get_world_size()
+    return mean
+
+
+def worker_finish_syncs_the_tail(rank: int, world: int) -> None:
+    """A run shorter than sync_every: finish() syncs those steps, so the model is the replicas' average
+    (dense outer gradient, outer SGD lr 1 without momentum), not the initial parameters; LocalSGD alike."""
+    plain = {"sync_every": 8, "codec": "none", "outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False}
+    model = Net()
+    start = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    with commpress.local.DiLoCo(model, opt, **plain) as diloco:
+        for step in range(5):
+            inner_step(model, opt, rank, step)
+    assert_all_ranks(diloco.stats()["syncs"] == 0, "no sync is due in 5 steps of sync_every=8")
+    mean = _replicas_mean(model)
     diloco.finish()
-    assert_all_ranks(diloco.stats()["syncs"] == 1, f"finish() ran {diloco.stats()['syncs']} syncs, not 1")
+    s = diloco.stats()
+    assert_all_ranks(s["syncs"] == 1 and s["final_syncs"] == 1, f"finish() ran {s['syncs']} syncs, not 1 final one")
     assert_all_ranks(same_across_ranks(model), "ranks differ after finish()")
     assert_all_ranks(all(torch.allclose(p, m, atol=1e-6) for p, m in zip(model.parameters(), mean)),
                      "after finish() the model is not the average of the replicas' 5 local steps")
     assert_all_ranks(not any(torch.equal(p, s) for p, s in zip(model.parameters(), start)),
                      "finish() dropped the 5 local steps: the model is the initial one")
-    assert_all_ranks(diloco.stats()["final_syncs"] == 1, f"final_syncs {diloco.stats()['final_syncs']}")
     # a checkpoint written after finish() loads (the schedule's own sync count still fits the step)
     other = Net()
-    again = commpress.local.DiLoCo(other, torch.optim.SGD(other.parameters(), lr=0.05), sync_every=8, codec="none",
-                                   outer_lr=1.0, outer_momentum=0.0, nesterov=False)
+    again = commpress.local.DiLoCo(other, torch.optim.SGD(other.parameters(), lr=0.05), **plain)
     again.load_state_dict(diloco.state_dict())
     assert_all_ranks(all(torch.equal(a, b) for a, b in zip(again.global_params, diloco.global_params)),
                      "the checkpoint written after finish() did not restore the finished global copy")
@@ -452,14 +454,8 @@ def worker_finish_syncs_the_tail(rank: int, world: int) -> None:
     local_opt = torch.optim.SGD(local_model.parameters(), lr=0.05, momentum=0.9)
     with commpress.local.LocalSGD(local_model, local_opt, sync_every=8) as local:
         for step in range(5):
-            x, y = batch(rank, step)
-            local_opt.zero_grad()
-            F.cross_entropy(local_model(x), y).backward()
-            local_opt.step()
-    mean = [p.detach().clone() for p in local_model.parameters()]
-    for t in mean:
-        dist.all_reduce(t)
-        t /= world
+            inner_step(local_model, local_opt, rank, step)
+    mean = _replicas_mean(local_model)
     local.finish()
     assert_all_ranks(local.stats()["syncs"] == 1 and local.stats()["final_syncs"] == 1, f"LocalSGD {local.stats()}")
     assert_all_ranks(same_across_ranks(local_model), "LocalSGD: ranks differ after finish()")
