@@ -245,21 +245,22 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
         ``final``: one of :meth:`finish`'s, counted in :attr:`final_syncs`, not in the schedule's
         :attr:`syncs` (which a checkpoint checks against the step).
         """
-        index = self.syncs + self.final_syncs  # the codecs' seeds and the arrival check: unique per sync
+        index = self.sync_index
         with torch.no_grad(), self.faults.guarded(self.where(index)):
             self.arrive(index)
             if self.auto is not None and not self.auto.decided:
                 self._decide()
             self._launch(fragment, index)
-        if final:
-            self.final_syncs += 1
-        else:
-            self.syncs += 1
+        self._count_sync(final)
 
     def _unsynced_fragments(self) -> list[int]:
         """The fragments holding inner steps no sync has taken: all but one launched at this very step."""
-        just = (self.step // self.interval - 1) % self.fragments if self.step and self.step % self.interval == 0 else -1
-        return [f for f in range(self.fragments) if f != just] if self.step else []
+        if self.step == 0:
+            return []
+        if self.step % self.interval:
+            return list(range(self.fragments))
+        just = (self.step // self.interval - 1) % self.fragments  # the schedule's, as in tick()
+        return [f for f in range(self.fragments) if f != just]
 
     def _decide(self) -> None:
         """``codec="auto"``: choose the outer codec before the first sync launches (:mod:`.auto`)."""
@@ -328,8 +329,9 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
         other fragments) go through one more sync per such fragment, blocking, with the outer
         step, so no rank's work is dropped, however short the run (a run shorter than
         ``sync_every`` syncs once, here); ``stats()["final_syncs"]`` counts them. A checkpoint
-        written after it holds the finished global copy and resumes from there. Leaving the ``with`` block does not do it, so a run can
-        leave and re-enter the block (to checkpoint, to evaluate) without changing its course.
+        written after it holds the finished global copy and resumes from there. Leaving the
+        ``with`` block does not do it, so a run can leave and re-enter the block (to checkpoint,
+        to evaluate) without changing its course.
         """
         self.flush()
         flushed = self._flushed  # the scheduled sync merged early, if any: what a checkpoint here records
@@ -389,12 +391,12 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
         sync handed to its collective (at most one sync is in flight at a time).
         """
         s: dict[str, float] = dict(self.outer.counters.as_dict())
-        s.update(steps=self.step, syncs=self.syncs + self.final_syncs, final_syncs=self.final_syncs,
+        s.update(steps=self.step, syncs=self.sync_index, final_syncs=self.final_syncs,
                  skipped_syncs=self.skipped, sync_wait_s=self.sync_wait_s, sync_transfer_s=self.sync_transfer_s,
                  peak_bytes_in_flight=self.peak_bytes_in_flight)
         if self.auto is not None:
             s.update(self.auto.stats())
-        return ratio_stats(s, self.syncs + self.final_syncs)
+        return ratio_stats(s, self.sync_index)
 
     def state_dict(self) -> dict[str, Any]:
         """Global copy, outer optimizer, residuals, counters and config: tensors and plain types only.

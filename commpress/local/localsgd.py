@@ -55,7 +55,7 @@ class LocalSGD(LocalSchedule):
 
     def stats(self) -> dict[str, float]:
         """Inner steps, syncs and the bytes handed to the all-reduce."""
-        return {"steps": self.step, "syncs": self.syncs + self.final_syncs, "final_syncs": self.final_syncs,
+        return {"steps": self.step, "syncs": self.sync_index, "final_syncs": self.final_syncs,
                 **self.counters.as_dict()}
 
 

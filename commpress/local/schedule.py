@@ -192,16 +192,25 @@ class LocalSchedule:
         if self.step % self.sync_every == 0:
             self._run_sync(final=False)
 
-    def _run_sync(self, final: bool) -> None:
-        """One sync on every rank: the schedule's, or (``final``) :meth:`finish`'s."""
-        index = self.syncs + self.final_syncs  # the arrival check's key: unique per sync
-        with torch.no_grad(), self.faults.guarded(self.where(index)):
-            self.arrive(index)
-            error = self.sync()
+    @property
+    def sync_index(self) -> int:
+        """Syncs run so far, the schedule's and :meth:`finish`'s: the next sync's index (arrival key, seeds)."""
+        return self.syncs + self.final_syncs
+
+    def _count_sync(self, final: bool) -> None:
+        """Count a sync that ran: :meth:`finish`'s apart, so :attr:`syncs` keeps matching the step."""
         if final:
             self.final_syncs += 1
         else:
             self.syncs += 1
+
+    def _run_sync(self, final: bool) -> None:
+        """One sync on every rank: the schedule's, or (``final``) :meth:`finish`'s."""
+        index = self.sync_index
+        with torch.no_grad(), self.faults.guarded(self.where(index)):
+            self.arrive(index)
+            error = self.sync()
+        self._count_sync(final)
         if error is not None:  # the same on every rank (decided from one collective's result)
             raise error
 
