@@ -3,7 +3,8 @@
 Trains the digits MLP FSDP-sharded (``tests/fsdp_modes_workers.py::train_digits_fsdp``, 12 epochs)
 with ``residual_dtype="auto"`` whose sizing is forced to each ``PAIRS`` entry (``residual/velocity``
 kinds; ``real/auto`` keeps :func:`commpress.fsdp.residuals.auto_kinds`), ``BLOCK=`` / ``VBLOCK=``
-overriding the residuals' / velocities' block size (``BLOCK`` / ``VELOCITY_BLOCK``). Prints the held-out accuracy per ``seed/optimizer/codec/residual/velocity``::
+overriding the residuals' / velocities' block size (``BLOCK`` / ``VELOCITY_BLOCK``), ``EPOCHS=`` the
+epochs (12; at 8 ranks take 48: 12 epochs are 60 steps there, most of them AdamW's dense warm-up). Prints the held-out accuracy per ``seed/optimizer/codec/residual/velocity``::
 
     PAIRS=int4/float32,float32/int4,int4/int4 VBLOCK=256 SEEDS=0 WORLD=4 CODEC=topk OPTIMS=adamw \\
         python scripts/fsdp_velocity_kinds.py /tmp/kinds.json
@@ -27,7 +28,7 @@ import ddp_workers as w  # noqa: E402
 
 
 def worker(rank: int, world: int, out: str, pairs: list[tuple[str, str]], seeds: list[int], codec: str,
-           opts: dict[str, Any], block: int, vblock: int, optims: list[str]) -> None:
+           opts: dict[str, Any], block: int, vblock: int, optims: list[str], epochs: int) -> None:
     """One accuracy per (seed, optimizer, pair); rank 0 writes them as JSON."""
     torch.set_num_threads(1)
     import commpress.fsdp.residuals as r
@@ -41,9 +42,9 @@ def worker(rank: int, world: int, out: str, pairs: list[tuple[str, str]], seeds:
     for seed in seeds:
         for optim in optims:
             for rk, vk in pairs:
-                r.auto_kinds = real if rk == "real" else (lambda n, local, grad_bytes=4, rk=rk, vk=vk: (rk, vk))
+                r.auto_kinds = real if rk == "real" else (lambda *a, rk=rk, vk=vk, **k: (rk, vk))
                 acc = mw.train_digits_fsdp(rank, world, codec, {**opts, "residual_dtype": "auto"},
-                                           mw.DIGITS_OPTIMS[optim], 12, seed)
+                                           mw.DIGITS_OPTIMS[optim], epochs, seed)
                 res[f"{seed}/{optim}/{codec}/{rk}/{vk}"] = acc
     if rank == 0:
         Path(out).write_text(json.dumps(res, indent=1))
@@ -56,5 +57,6 @@ if __name__ == "__main__":
     target = sys.argv[1] if len(sys.argv) > 1 else "/tmp/fsdp_velocity_kinds.json"
     w.launch(worker, int(os.environ.get("WORLD", "4")), target, pairs, seeds, codec,
              {"ratio": 0.01} if codec == "topk" else {}, int(os.environ.get("BLOCK", "0")),
-             int(os.environ.get("VBLOCK", "0")), os.environ.get("OPTIMS", "adamw").split(","), timeout=3000)
+             int(os.environ.get("VBLOCK", "0")), os.environ.get("OPTIMS", "adamw").split(","),
+             int(os.environ.get("EPOCHS", "12")), timeout=6000)
     print(Path(target).read_text())

@@ -37,12 +37,12 @@ SAVED_STEPS = 3  # K: steps before dcp.save
 MORE_STEPS = 3  # N: steps after it
 CODEC: dict[str, Any] = {"codec": "topk", "ratio": 0.1}  # biased: residuals, and the user's SGD momentum moved in
 #: tag -> (codec, how model and optimizer go to DCP): the case above with ``model.state_dict()`` /
-#: ``opt.state_dict()``, and with int8 residuals (codes and scales in the DCP form) through torch's
-#: ``get_state_dict`` / ``set_state_dict`` (FQN-keyed optimizer state, its fake first step included),
+#: ``opt.state_dict()``, and with ternary residuals and velocities (codes and scales in the DCP form) through
+#: torch's ``get_state_dict`` / ``set_state_dict`` (FQN-keyed optimizer state, its fake first step included),
 #: and AdamW past its 2 dense warm-up steps (1-bit Adam's compressed momentum: local velocities) with
 #: ``residual_dtype="auto"`` (int8 residuals and int8 velocity codes at 2 ranks)
 CASES: dict[str, tuple[dict[str, Any], str]] = {"float32": (CODEC, "plain"),
-                                                "int8": ({**CODEC, "residual_dtype": "int8"}, "torch"),
+                                                "ternary": ({**CODEC, "residual_dtype": "ternary"}, "torch"),
                                                 "adamw": ({**CODEC, "adamw": True, "warmup_steps": 2, "residual_dtype": "auto"}, "torch")}
 
 

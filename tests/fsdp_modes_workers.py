@@ -147,7 +147,10 @@ def worker_memory(rank: int, world: int, out: str) -> None:
     for random-k 1% with the user's SGD momentum (the gain: no velocity for compressed parameters),
     sign with no optimizer, and top-k 1% / sign with SGD momentum and AdamW (local velocities, stored
     quantised); float32 exceeds it (top-k + SGD keeps a local velocity too). A discovered SGD with
-    ``"auto"`` is the ``optimizer=`` run bit for bit (its velocities stored with the same rounding)."""
+    ``"auto"`` is the ``optimizer=`` run bit for bit (its velocities stored with the same rounding).
+    From 6 ranks (8 here) SGD's velocities fit no kind (it takes ternary/int4, measured, not asserted
+    to fit), AdamW's fit as ternary/ternary, and a discovered AdamW, budgeted for SGD at registration,
+    narrows its velocities to ternary and is the ``optimizer=`` run bit for bit."""
     report = {}
     auto = {"residual_dtype": "auto"}
     adam = {**auto, "warmup_steps": 2}  # the compressed momentum (local velocities) from step 2
@@ -163,6 +166,8 @@ def worker_memory(rank: int, world: int, out: str) -> None:
     ):
         if world > 2 and label == "sign+sgd/auto":  # top-k + SGD covers the mode there (keeps 4 ranks short)
             continue
+        if world > 5 and label in ("topk1%+sgd/float32", "topk1%+sgd/default", "randomk1%+sgd/auto"):
+            continue  # 8 ranks: the kinds that change there
         model = make_fsdp()
         opt = (make_opt or _sgd_m)(model.parameters())
         state = commpress.fsdp.register(model, codec, optimizer=opt if make_opt else None, **opts)
@@ -171,19 +176,22 @@ def worker_memory(rank: int, world: int, out: str) -> None:
         s = state.stats()
         local = "+" in label and "randomk" not in label  # top-k / sign with an optimizer: local velocities
         if local:
-            want = rstore.auto_kinds(world, True) if "float32" not in label else ("float32", "float32")
+            want = (rstore.auto_kinds(world, True, ternary_velocities="adamw" in label) if "float32" not in label
+                    else ("float32", "float32"))
             assert_all_ranks((state.residual_kind, state.velocity_kind) == want and s["velocity_bytes"] > 0,
                              f"{label}: kinds {state.residual_kind}/{state.velocity_kind}, want {want}: {s}")
         assert_all_ranks(bool(torch.isfinite(full_params(model)).all()), f"{label}: non-finite")
         assert_all_ranks(s["residual_bytes"] > 0 and s["compression_state_bytes"] ==
                          s["residual_bytes"] + s["velocity_bytes"], f"{label}: {s}")
-        if "float32" not in label:  # "auto", asked for or by default
+        if "float32" not in label and not (world > 5 and "sgd" in label):  # "auto", asked for or by default
             assert_all_ranks(s["compression_state_bytes"] <= s["shard_bytes"],
                              f"{label}: {s['compression_state_bytes']} > shard {s['shard_bytes']} at {world} ranks")
         else:  # float32 residuals beyond 2 ranks, and top-k's float32 local velocity at any
             assert_all_ranks(s["compression_state_bytes"] > s["shard_bytes"], f"{label}: float32 fits?")
         report[label] = {"kind": state.residual_kind, "velocity_kind": state.velocity_kind, **{k: s[k] for k in
                          ("residual_bytes", "velocity_bytes", "compression_state_bytes", "shard_bytes")}}
+    if world > 5:
+        _discovered_adamw_narrows_its_velocities(rank, world)
     if world > 2:
         if rank == 0:
             Path(out, f"memory_{world}.json").write_text(json.dumps(report, indent=1))
@@ -200,6 +208,26 @@ def worker_memory(rank: int, world: int, out: str) -> None:
                      "a discovered SGD with residual_dtype='auto' differs from optimizer=")
     if rank == 0:
         Path(out, f"memory_{world}.json").write_text(json.dumps(report, indent=1))
+
+
+def _discovered_adamw_narrows_its_velocities(rank: int, world: int) -> None:
+    """Registered without ``optimizer=``, ``"auto"`` budgets for SGD's velocities (ternary/int4 at 8 ranks); the
+    AdamW adopted at the first reduce-scatter stores them ternary, the ``optimizer=`` run bit for bit."""
+    adam = {"residual_dtype": "auto", "warmup_steps": 2}
+    passed, found = make_fsdp(), make_fsdp()
+    passed_opt, found_opt = _adamw(passed.parameters()), _adamw(found.parameters())
+    passed_state = commpress.fsdp.register(passed, "sign", optimizer=passed_opt, **adam)
+    found_state = commpress.fsdp.register(found, "sign", **adam)
+    assert_all_ranks(found_state.velocity_kind == "int4" and passed_state.velocity_kind == "ternary",
+                     f"budget {found_state.velocity_kind}, passed {passed_state.velocity_kind}")
+    for step in range(4):
+        _step(passed, passed_opt, rank, step)
+        _step(found, found_opt, rank, step)
+    assert_all_ranks(found_state.optimizer is found_opt and found_state.velocity_kind == "ternary"
+                     and torch.equal(full_params(passed), full_params(found)),
+                     f"a discovered AdamW at {world} ranks differs from optimizer= ({found_state.velocity_kind})")
+    s = found_state.stats()
+    assert_all_ranks(0 < s["compression_state_bytes"] <= s["shard_bytes"], f"discovered AdamW: {s}")
 
 
 def _resume_case(rank: int, world: int, codec: str, opts: dict[str, Any], make_opt: Any, tag: str) -> None:
@@ -272,7 +300,8 @@ def _resume_case(rank: int, world: int, codec: str, opts: dict[str, Any], make_o
 def worker_checkpoints(rank: int, world: int) -> None:
     """Bit-exact resume: sign + SGD (local velocities), top-k 1% + SGD (a local velocity) with int8 residuals
     and int8 velocities and a guard step, AdamW across the end of its warm-up, and sign + AdamW with
-    ``residual_dtype="auto"`` (quantised velocities: every corruption of them refused clearly)."""
+    ``residual_dtype="auto"`` (quantised velocities: every corruption of them refused clearly), and top-k + AdamW
+    with ternary residuals and velocities."""
     guard = commpress.optim.DivergenceGuard(interval=1, threshold=0.05, dense_steps=1)
     _resume_case(rank, world, "sign", {}, lambda p: _sgd(p, momentum=0.9), "sign+sgd")
     _resume_case(rank, world, "topk", {"ratio": 0.01, "residual_dtype": "int8", "divergence_guard": guard},
@@ -280,6 +309,8 @@ def worker_checkpoints(rank: int, world: int) -> None:
     _resume_case(rank, world, "topk", {"ratio": 0.05, "warmup_steps": 2},
                  lambda p: torch.optim.AdamW(p, lr=1e-3), "topk+adamw")
     _resume_case(rank, world, "sign", {"warmup_steps": 2, "residual_dtype": "auto"}, _adamw, "sign+adamw+auto")
+    _resume_case(rank, world, "topk", {"ratio": 0.05, "warmup_steps": 2, "residual_dtype": "ternary"}, _adamw,
+                 "topk+adamw+ternary")
 
 
 # ----- digits: the user's SGD momentum and AdamW, FSDP-sharded --------------------------------

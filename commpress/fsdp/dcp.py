@@ -210,8 +210,8 @@ class DCPState:
         stored_layout: Collection[str]
         if self.saved is None:
             residual_layout, velocity_layout, stored_layout = self._layout()
-            residual_scales = self.state.residual_kind in ("int8", "int4")
-            velocity_scales = self.state.velocity_kind in ("int8", "int4")
+            residual_scales = self.state.residual_kind in rstore.QUANTIZED
+            velocity_scales = self.state.velocity_kind in rstore.QUANTIZED
         else:  # another world size: the entry's own layout, in the sorted order it was written in
             residual_layout, velocity_layout, stored_layout = (_saved_keys(mine, n) for n in ("residuals", "velocity",
                                                                                                "velocity_codes"))

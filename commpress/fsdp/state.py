@@ -46,7 +46,8 @@ reduce-scatter and keeps only its shard afterwards:
   unsharded copy per rank, the memory price of these two modes, reported in ``stats()``. It is
   stored like the residuals (``velocity_kind``: ``residual_dtype``'s kind, or with ``"auto"`` the
   pair that keeps residuals and velocities together within one gradient shard, int8/int8 at 2
-  ranks, int4/int4 at 4: :func:`.residuals.auto_kinds`), decoded for one chunk at a time inside
+  ranks, int4/int4 at 4, ternary/int4 at 5, ternary/ternary for Adam's up to 8:
+  :func:`.residuals.auto_kinds`), decoded for one chunk at a time inside
   the reduce-scatter.
 
 The rank's own chunk is never compressed (added exactly), so it needs no residual.
@@ -204,10 +205,11 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
             velocities of top-k / sign with SGD momentum or AdamW alike: ``"auto"`` (default since
             2026-12-04): the widest kinds that keep residuals and local velocities together within
             one gradient shard at this world size (:func:`.residuals.auto_kinds`; registered
-            without ``optimizer=``, it budgets for the velocities an adopted one keeps; from 5
-            ranks none fits and it warns); ``torch.float32`` (the default before: about 3 shards at 2
-            ranks for top-k or sign with AdamW), ``torch.bfloat16``, ``"int8"`` / ``"int4"``
-            (blockwise, stochastic rounding).
+            without ``optimizer=``, it budgets for the velocities an adopted one keeps: up to 5
+            ranks with SGD momentum, 8 with Adam, then it warns; residuals alone up to 16);
+            ``torch.float32`` (the default before: about 3 shards at 2 ranks for top-k or sign
+            with AdamW), ``torch.bfloat16``, ``"int8"`` / ``"int4"`` / ``"ternary"`` (blockwise,
+            stochastic rounding; ternary: levels -1, 0, 1, five per byte).
         optimizer: the user's optimizer; ``"auto"`` (default) adopts the one that steps every
             compressed parameter (found at the first reduce-scatter, else after its first step), where error feedback needs it
             (:mod:`commpress.optim.discovery`, as on DDP), ``None`` opts out. An SGD-like one's
@@ -290,7 +292,7 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
         "optimizer", "discovery", "adam", "handover", "_placement", "_params", "_measured", "allgather",
         "_stats_log", "auto", "_first_gradients", "keeping_first_gradients", "_find_timeout", "velocity_kind",
         "_vstore", "param_codec_defaulted", "param_codec_why", "adam_variance", "topology", "_node_group",
-        "_inter_group", "chunks", "own_chunk",
+        "_inter_group", "chunks", "own_chunk", "_auto_kinds",
     )
 
     def __init__(
@@ -441,9 +443,10 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
         elif not discover:
             assert not isinstance(optimizer, str)
             self._adopt_optimizer(optimizer)
-        if requested == "auto":  # residuals and local velocities together within one gradient shard
-            self._set_kinds(*rstore.auto_kinds(self._residual_chunks() + 1, self._keeps_local_velocities(),
-                                               velocity_chunks=self.chunks))
+        #: residual_dtype="auto": the kinds are sized here, and the velocities' again when an optimizer is discovered
+        self._auto_kinds = requested == "auto"
+        if self._auto_kinds:  # residuals and local velocities together within one gradient shard
+            self._set_kinds(*self._sized_kinds())
             self._stash_velocities()  # any adopted from the optimizer's buffers above
         if verify:
             self._verify_ranks(opts.check_timeout(verify_timeout))
@@ -548,6 +551,17 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
         self._low = rstore.ResidualStore(residual)  # residuals between steps unless float32
         self._vstore = rstore.ResidualStore(velocity, "velocity", rstore.VELOCITY_BLOCK)  # local velocities unless float32
 
+    def _sized_kinds(self) -> tuple[str, str]:
+        """``residual_dtype="auto"``'s kinds for this optimizer mode (:func:`.residuals.auto_kinds`).
+
+        While discovery is pending the budget is SGD momentum's (no ternary velocities): the
+        residual kind is the same either way, so adopting Adam later only narrows the velocities.
+        """
+        pending = self.discovery is not None and self.discovery.pending
+        return rstore.auto_kinds(self._residual_chunks() + 1, self._keeps_local_velocities(),
+                                 velocity_chunks=self.chunks, ternary_velocities=self.adam is not None,
+                                 warn=not pending)
+
     def _keeps_local_velocities(self) -> bool:
         """True when the optimizer mode keeps per-chunk local velocities (or may, once discovered)."""
         if self.discovery is not None and self.discovery.pending:  # budget for what adoption would keep
@@ -638,10 +652,26 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
             self.keeping_first_gradients = False
             self._first_gradients.clear()
             self._adopt_optimizer(optimizer)
+            self._size_found_velocities()
+
+    def _size_found_velocities(self) -> None:
+        """``residual_dtype="auto"`` and a discovered optimizer: size its velocities' kind again.
+
+        Adam's may be stored narrower than the budget made for SGD's at registration (none is
+        stored yet; the residual kind is the same either way).
+        """
+        if not self._auto_kinds:
+            return
+        residual, velocity = self._sized_kinds()
+        assert residual == self.residual_kind, (residual, self.residual_kind)
+        if velocity != self.velocity_kind:
+            self.velocity_kind = velocity
+            self._vstore = rstore.ResidualStore(velocity, "velocity", rstore.VELOCITY_BLOCK)
 
     def _discovered(self, optimizer: torch.optim.Optimizer) -> None:
         """Adopt the optimizer found after its first step; local velocities start from the kept gradients."""
         self._adopt_optimizer(optimizer)
+        self._size_found_velocities()
         if self.handover is not None and self.adam is None:
             for key, (name, g) in self._first_gradients.items():
                 if self._placement.get(name) == "local" and name in self.correction.rules and all_finite(g):
@@ -1105,7 +1135,7 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
             "seed": self.seed,
             "calls": {m.name: m.calls for m in self.modules},
             "residuals": self._stored_residuals(),
-            **({"residual_scales": self._low.state()[1]} if self.residual_kind in ("int8", "int4") else {}),
+            **({"residual_scales": self._low.state()[1]} if self.residual_kind in rstore.QUANTIZED else {}),
             "step": self.step,
             "momentum_rules": self.correction.rules_state(),
             "velocity": (self.handover.velocities() if self.handover is not None
@@ -1140,7 +1170,7 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
         if self.velocity_kind == "float32":
             return {}
         codes, scales = self._vstore.state()
-        return {"velocity_codes": codes, **({"velocity_scales": scales} if self.velocity_kind in ("int8", "int4") else {})}
+        return {"velocity_codes": codes, **({"velocity_scales": scales} if self.velocity_kind in rstore.QUANTIZED else {})}
 
     def _velocity_layout(self) -> tuple[dict[str, int], dict[str, int]]:
         """:meth:`_velocity_numels` split: ``(kept in float32, stored as velocity_kind codes)``."""

@@ -7,7 +7,9 @@
 - :mod:`.sign`, :mod:`.qsgd`, :mod:`.topk`, :mod:`.randomk`: each codec's reference encode/decode,
   the ``reference`` backend of :mod:`commpress.kernels` and what native, numba and CuPy are tested against;
 - :mod:`.blockint`: the int8/int4 codecs' reference (block absmax scales, round half to even), what
-  their fast path :mod:`commpress.kernels.blockint` is tested against bit for bit.
+  their fast path :mod:`commpress.kernels.blockint` is tested against bit for bit;
+- :mod:`.ternary`: the ternary kind of FSDP's compression state (levels -1, 0, 1, five per byte;
+  stochastic rounding), the specification and, having no kernel, the implementation.
 
 Imports point down only: to :mod:`commpress.rng`, :mod:`commpress.dtypes` and :mod:`commpress.errors`.
 """

@@ -36,8 +36,9 @@ def test_bad_options_raise_clear_errors() -> None:
 
 
 def test_auto_residual_kind_fits_one_shard_and_quantization_is_unbiased() -> None:
-    assert [rstore.auto_kind(n) for n in (2, 3, 4, 5, 8)] == ["float32", "bfloat16", "int8", "int4", "int4"]
-    for n in (2, 4, 8):
+    assert [rstore.auto_kind(n) for n in (2, 3, 4, 5, 8, 9, 16)] == ["float32", "bfloat16", "int8", "int4", "int4",
+                                                                    "ternary", "ternary"]
+    for n in (2, 4, 8, 16):
         assert (n - 1) * rstore.bytes_per_element(rstore.auto_kind(n)) <= 4
     e = torch.randn(1000) * torch.logspace(-4, 0, 1000)
     for bits in (8, 4):
@@ -79,6 +80,32 @@ def test_stored_codes_keep_their_layout_and_corrupt_ones_are_refused() -> None:
         assert torch.equal(store.get("w"), rstore.dequantize(codes, scales, bits, 7))
 
 
+def test_ternary_store_round_trip_load_and_corrupt_bytes() -> None:
+    """Ternary entries: five levels per byte, one float32 scale per block; a byte above 242 is refused."""
+    e = torch.randn(1000) * torch.logspace(-4, 0, 1000)
+    store = rstore.ResidualStore("ternary", "velocity", block=64)
+    store.put("v", e, seed=5)
+    assert store.scales["v"].numel() == 16 and store.codes["v"].numel() == 16 * 64 // 5 + 1
+    assert store.nbytes() == 205 + 64 and rstore.bytes_per_element("ternary") == 0.2625
+    got = store.get("v")
+    assert bool(((got - e).abs() <= store.scales["v"].repeat_interleave(64)[:1000]).all())
+    codes, scales = store.state()
+    assert rstore.stored_shapes("ternary", 1000) == {"codes": (205,), "scales": (16,)}
+    again = rstore.ResidualStore("ternary", "velocity", block=64)
+    again.load(codes, scales, {"v": 1000})
+    assert torch.equal(again.get("v"), got)
+    assert torch.equal(rstore.decoded("ternary", codes, scales, 64, "velocity")["v"][:1000], got)
+    bad = codes["v"].clone()
+    bad[3] = 243
+    with pytest.raises(ValueError, match="outside"):
+        again.load({"v": bad}, scales, {"v": 1000})
+    with pytest.raises(ValueError, match="outside"):
+        rstore.decoded("ternary", {"v": bad}, scales, 64, "velocity")
+    with pytest.raises(ValueError, match="shape"):
+        again.load({"v": bad[1:]}, scales, {"v": 1000})
+    assert torch.equal(again.get("v"), got)  # all or nothing
+
+
 def test_residuals_written_in_the_legacy_blocks_of_256_load_into_blocks_of_64() -> None:
     """Checkpoints from before 2026-12-04 stored int8/int4 residuals with one scale per 256 elements."""
     e = torch.randn(1000) * torch.logspace(-4, 0, 1000)
@@ -95,16 +122,25 @@ def test_residuals_written_in_the_legacy_blocks_of_256_load_into_blocks_of_64() 
             store.load({"w": codes}, {"w": scales[1:]}, {"w": 1000})
 
 
-def test_auto_kinds_keep_residuals_and_local_velocities_within_one_shard() -> None:
-    """``(n-1) b_r + n b_v <= 4`` bytes per shard element: int8/int8 at 2 ranks, int8/int4 at 3, int4/int4 at 4;
-    from 5 ranks no pair fits (8 ranks by formula: 8.44 of 4, 2.11 shards) and the smallest is kept."""
-    kinds = {n: rstore.auto_kinds(n, True) for n in (1, 2, 3, 4, 5, 8)}
+def test_auto_kinds_keep_residuals_and_local_velocities_within_one_shard(caplog: pytest.LogCaptureFixture) -> None:
+    """``(n-1) b_r + n b_v <= 4`` bytes per shard element: int8/int8 at 2 ranks, int8/int4 at 3, int4/int4 at 4,
+    ternary/int4 at 5; SGD momentum's velocities never ternary, so from 6 ranks it warns and keeps ternary/int4
+    (1.58 shards at 8); Adam's may be: ternary/ternary up to 8 ranks (3.94 of 4)."""
+    kinds = {n: rstore.auto_kinds(n, True) for n in (1, 2, 3, 4, 5)}
+    adam = {n: rstore.auto_kinds(n, True, ternary_velocities=True) for n in (1, 2, 3, 4, 5, 6, 8)}
     assert kinds == {1: ("float32", "float32"), 2: ("int8", "int8"), 3: ("int8", "int4"), 4: ("int4", "int4"),
-                     5: ("int4", "int4"), 8: ("int4", "int4")}
-    for n in (1, 2, 3, 4):
-        assert rstore.state_bytes(n, *kinds[n]) <= 4
-        wider = rstore.PAIRS[: rstore.PAIRS.index(kinds[n])]
+                     5: ("ternary", "int4")}
+    assert adam == {**kinds, 6: ("ternary", "ternary"), 8: ("ternary", "ternary")}
+    for n, pair in [*kinds.items(), *adam.items()]:
+        assert rstore.state_bytes(n, *pair) <= 4
+        wider = rstore.PAIRS[: rstore.PAIRS.index(pair)]
         assert all(rstore.state_bytes(n, *p) > 4 for p in wider)  # the first that fits
+    caplog.clear()
+    assert rstore.auto_kinds(8, True) == ("ternary", "int4") and "1.58 gradient shards" in caplog.text
+    caplog.clear()
+    assert rstore.auto_kinds(8, True, warn=False) == ("ternary", "int4") and not caplog.text
+    assert rstore.auto_kinds(9, True, ternary_velocities=True) == ("ternary", "ternary") and "1.12" in caplog.text
+    assert rstore.state_bytes(8, "ternary", "ternary") == 3.9375  # 15 * (0.2 + 4/64)
     # velocities and residuals in blocks of 64 (rstore.VELOCITY_BLOCK, rstore.BLOCK)
     assert rstore.state_bytes(2, "int8", "int8") == 3.1875 and rstore.state_bytes(4, "int4", "int4") == 3.9375
     assert rstore.state_bytes(8, "int4", "int4") == 8.4375 and rstore.state_bytes(8, "int4", None) <= 4
@@ -134,7 +170,7 @@ def test_optimizer_discovered_at_its_first_step() -> None:
     w.launch(mw.worker_discovery, 2, timeout=240)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 8])  # 8: ternary kinds, and a discovered AdamW narrowing its velocities
 def test_compression_state_fits_one_shard(world: int, tmp_path: Path) -> None:
     w.launch(mw.worker_memory, world, str(tmp_path), timeout=480)
     print(json.loads((tmp_path / f"memory_{world}.json").read_text()))
