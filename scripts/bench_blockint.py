@@ -1,6 +1,10 @@
 """Speed of the int8/int4 codec: the fast path against its pure-torch specification.
 
-    python scripts/bench_blockint.py [--numel 4194304] [--threads 1]
+    python scripts/bench_blockint.py [--numel 4194304] [--threads 1] [--store]
+
+``--store``: instead, what FSDP's compression state costs to store and load per element kind
+(``commpress.fsdp.residuals.ResidualStore``, blocks of 64: int8 / int4 on the native stochastic
+kernel, ternary in vectorised torch), beside ``copy_`` of the same tensor.
 
 The fast path is the native kernels where built (else vectorised torch; ``COMMPRESS_DISABLE_NATIVE=1``
 times that). Against ``copy_`` through the codec API: ``scripts/bench_encode_api.py --codec int8 --decode``.
@@ -33,10 +37,14 @@ def main() -> None:
     p.add_argument("--numel", type=int, default=1 << 22)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--block", type=int, default=spec.DEFAULT_BLOCK)
+    p.add_argument("--store", action="store_true", help="time the FSDP compression state's kinds instead")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     x = torch.randn(args.numel)
     out = torch.empty_like(x)
+    if args.store:
+        store_kinds(x, out, args.threads)
+        return
     print(f"{args.numel} float32, block {args.block}, {args.threads} thread(s), torch {torch.__version__}")
     for bits in (8, 4):
         s, f = spec.encode_reference(x, bits, args.block)
@@ -46,6 +54,20 @@ def main() -> None:
         dec_fast = best_ms(lambda: fast.decode(s, f, bits, args.block, out))
         print(f"int{bits}: encode reference {enc_ref:.1f} ms, fast {enc_fast:.1f} ms; "
               f"decode reference {dec_ref:.1f} ms, fast {dec_fast:.1f} ms")
+
+
+def store_kinds(x: torch.Tensor, out: torch.Tensor, threads: int) -> None:
+    """Milliseconds to store (put) and load (get) ``x`` in each quantised kind, and ``copy_``'s."""
+    from commpress.fsdp import residuals
+
+    copy_ms = best_ms(lambda: out.copy_(x))
+    print(f"{x.numel()} float32, {threads} thread(s), torch {torch.__version__}: copy_ {copy_ms:.2f} ms")
+    for kind in residuals.QUANTIZED:
+        store = residuals.ResidualStore(kind, block=residuals.VELOCITY_BLOCK)
+        put = best_ms(lambda: store.put("x", x, seed=1))
+        get = best_ms(lambda: store.get("x"))
+        print(f"{kind}: {store.nbytes() / x.numel():.4f} bytes/element; put {put:.1f} ms ({put / copy_ms:.0f}x copy_), "
+              f"get {get:.1f} ms ({get / copy_ms:.0f}x copy_)")
 
 
 if __name__ == "__main__":
