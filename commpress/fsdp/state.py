@@ -658,13 +658,14 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
         """``residual_dtype="auto"`` and a discovered optimizer: size its velocities' kind again.
 
         Adam's may be stored narrower than the budget made for SGD's at registration (none is
-        stored yet; the residual kind is the same either way).
+        stored yet). Only the velocities change, and only where the residual kind is the budget's:
+        the residuals may already hold a step.
         """
-        if not self._auto_kinds:
+        if not self._auto_kinds or self.adam is None:
             return
-        residual, velocity = self._sized_kinds()
-        assert residual == self.residual_kind, (residual, self.residual_kind)
-        if velocity != self.velocity_kind:
+        residual, velocity = rstore.auto_kinds(self._residual_chunks() + 1, True, velocity_chunks=self.chunks,
+                                               ternary_velocities=True)
+        if residual == self.residual_kind and velocity != self.velocity_kind:
             self.velocity_kind = velocity
             self._vstore = rstore.ResidualStore(velocity, "velocity", rstore.VELOCITY_BLOCK)
 
