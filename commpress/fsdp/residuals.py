@@ -152,7 +152,9 @@ def auto_kinds(world_size: int, local_velocity: bool, grad_bytes: int = 4,
     residual, velocity = allowed[-1]
     if warn:
         logger.warning("commpress: at %d ranks %s residuals and %s local velocities take %.2f gradient shards "
-                       "(no stored kind fits both in one)", world_size, residual, velocity,
+                       "(no stored kind fits both in one without losing accuracy); codec='qsgd' keeps no state, "
+                       "and residual_dtype='ternary' fits up to 8 ranks (SGD momentum with top-k loses accuracy "
+                       "there: docs/fsdp.md#memory)", world_size, residual, velocity,
                        state_bytes(world_size, residual, velocity, velocity_chunks) / grad_bytes)
     return residual, velocity
 
