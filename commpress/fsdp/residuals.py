@@ -38,9 +38,9 @@ Velocities are quantised in blocks of :data:`VELOCITY_BLOCK` (64: one scale per 
 residuals in blocks of :data:`BLOCK` (64 too, since 2026-12-04).
 :func:`auto_kinds` takes the first pair of :data:`PAIRS` that fits: int8/int8 at 2 ranks
 (3.19 of 4), int8/int4 at 3 (3.81), int4/int4 at 4 (3.94), ternary/int4 at 5 (3.86). From 6
-ranks only ternary velocities fit, and only Adam's compressed momentum keeps its accuracy in
-them (:data:`PAIRS`): Adam takes ternary/ternary up to 8 ranks (``15 * 0.2625 = 3.94``);
-SGD momentum warns and keeps ternary/int4 (1.58 shards at 8).
+ranks only ternary velocities fit, and top-k's SGD momentum loses accuracy in them
+(:data:`PAIRS`): Adam (and sign with SGD momentum) take ternary/ternary up to 8 ranks
+(``15 * 0.2625 = 3.94``); top-k with SGD momentum warns and keeps ternary/int4 (1.58 shards at 8).
 """
 
 from __future__ import annotations
@@ -111,10 +111,12 @@ def auto_kind(world_size: int, grad_bytes: int = 4) -> str:
 
 
 #: (residual kind, velocity kind) in order of preference for :func:`auto_kinds` with local velocities.
-#: Ternary velocities only where the optimizer's are Adam's (``ternary_velocities``): measured at 8
-#: ranks (digits MLP, top-k 1%, seeds 0 / 1), AdamW's compressed momentum stored ternary lost nothing
-#: (96.7 / 97.0% against float32's 95.5 / 97.0%) while DGC's SGD velocity collapsed (59.9 / 84.4%
-#: against 97.2 / 96.5%); ternary residuals under int4 velocities kept SGD at 98.2 / 96.7%.
+#: Ternary velocities only where measured harmless (``ternary_velocities``: Adam's compressed momentum,
+#: and sign's SGD momentum): at 8 ranks (digits MLP, seeds 0 / 1) AdamW's stored ternary lost nothing
+#: (top-k 1%: 96.7 / 97.0% against float32's 95.5 / 97.0%), nor did sign + SGD momentum's (97.7 / 97.2 /
+#: 97.7%, seeds 0-2, float32 96.7 / 97.2 / 97.0%), while top-k's DGC velocity collapsed (59.9 / 84.4%
+#: against 97.2 / 96.5%: top-k picks the rounding noise the residual accumulates); ternary residuals
+#: under int4 velocities kept top-k + SGD at 98.2 / 96.7%.
 PAIRS = (("float32", "float32"), ("bfloat16", "bfloat16"), ("bfloat16", "int8"), ("int8", "int8"),
          ("bfloat16", "int4"), ("int8", "int4"), ("int4", "int4"), ("ternary", "int4"), ("ternary", "ternary"))
 
@@ -139,9 +141,10 @@ def auto_kinds(world_size: int, local_velocity: bool, grad_bytes: int = 4,
     Without local velocities the residual kind is :func:`auto_kind`'s (velocities, shard-sized
     where any, stay float32). With them, the first of :data:`PAIRS` for which
     :func:`state_bytes` is at most ``grad_bytes``; ternary velocities only with
-    ``ternary_velocities`` (Adam's compressed momentum; SGD's velocity loses accuracy in them).
-    So SGD momentum fits up to 5 ranks (ternary/int4 there) and Adam up to 8 (ternary/ternary:
-    3.94 of 4). Beyond: a warning (unless ``warn`` is False) and the smallest allowed pair.
+    ``ternary_velocities`` (Adam's compressed momentum, sign's SGD momentum; top-k's SGD velocity
+    loses accuracy in them). So top-k with SGD momentum fits up to 5 ranks (ternary/int4 there),
+    the others up to 8 (ternary/ternary: 3.94 of 4). Beyond: a warning (unless ``warn`` is False)
+    and the smallest allowed pair.
     """
     if not local_velocity:
         return auto_kind(world_size, grad_bytes), "float32"

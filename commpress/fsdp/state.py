@@ -554,13 +554,15 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
     def _sized_kinds(self) -> tuple[str, str]:
         """``residual_dtype="auto"``'s kinds for this optimizer mode (:func:`.residuals.auto_kinds`).
 
-        While discovery is pending the budget is SGD momentum's (no ternary velocities): the
-        residual kind is the same either way, so adopting Adam later only narrows the velocities.
+        Ternary velocities where they were measured to cost nothing: Adam's compressed momentum
+        (top-k, sign) and sign's SGD momentum, not top-k's (:data:`.residuals.PAIRS`). While
+        discovery is pending a top-k budget is SGD momentum's: the residual kind is the same
+        either way, so adopting Adam later only narrows the velocities.
         """
         pending = self.discovery is not None and self.discovery.pending
+        ternary = self.adam is not None or self.codec.name == "sign"
         return rstore.auto_kinds(self._residual_chunks() + 1, self._keeps_local_velocities(),
-                                 velocity_chunks=self.chunks, ternary_velocities=self.adam is not None,
-                                 warn=not pending)
+                                 velocity_chunks=self.chunks, ternary_velocities=ternary, warn=not pending)
 
     def _keeps_local_velocities(self) -> bool:
         """True when the optimizer mode keeps per-chunk local velocities (or may, once discovered)."""

@@ -124,8 +124,9 @@ def test_residuals_written_in_the_legacy_blocks_of_256_load_into_blocks_of_64() 
 
 def test_auto_kinds_keep_residuals_and_local_velocities_within_one_shard(caplog: pytest.LogCaptureFixture) -> None:
     """``(n-1) b_r + n b_v <= 4`` bytes per shard element: int8/int8 at 2 ranks, int8/int4 at 3, int4/int4 at 4,
-    ternary/int4 at 5; SGD momentum's velocities never ternary, so from 6 ranks it warns and keeps ternary/int4
-    (1.58 shards at 8); Adam's may be: ternary/ternary up to 8 ranks (3.94 of 4)."""
+    ternary/int4 at 5; top-k's SGD velocities never ternary (the state sizes that: ``ternary_velocities``), so from
+    6 ranks it warns and keeps ternary/int4 (1.58 shards at 8); Adam's and sign's may be: ternary/ternary up to 8
+    ranks (3.94 of 4)."""
     kinds = {n: rstore.auto_kinds(n, True) for n in (1, 2, 3, 4, 5)}
     adam = {n: rstore.auto_kinds(n, True, ternary_velocities=True) for n in (1, 2, 3, 4, 5, 6, 8)}
     assert kinds == {1: ("float32", "float32"), 2: ("int8", "int8"), 3: ("int8", "int4"), 4: ("int4", "int4"),
