@@ -46,7 +46,7 @@ reduce-scatter and keeps only its shard afterwards:
   unsharded copy per rank, the memory price of these two modes, reported in ``stats()``. It is
   stored like the residuals (``velocity_kind``: ``residual_dtype``'s kind, or with ``"auto"`` the
   pair that keeps residuals and velocities together within one gradient shard, int8/int8 at 2
-  ranks, int4/int4 at 4, ternary/int4 at 5, ternary/ternary for Adam's up to 8:
+  ranks, int4/int4 at 4, ternary/int4 at 5, ternary/ternary up to 8 but for top-k's SGD momentum:
   :func:`.residuals.auto_kinds`), decoded for one chunk at a time inside
   the reduce-scatter.
 
@@ -206,7 +206,7 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
             2026-12-04): the widest kinds that keep residuals and local velocities together within
             one gradient shard at this world size (:func:`.residuals.auto_kinds`; registered
             without ``optimizer=``, it budgets for the velocities an adopted one keeps: up to 5
-            ranks with SGD momentum, 8 with Adam, then it warns; residuals alone up to 16);
+            ranks for top-k with SGD momentum, 8 otherwise, then it warns; residuals alone up to 16);
             ``torch.float32`` (the default before: about 3 shards at 2 ranks for top-k or sign
             with AdamW), ``torch.bfloat16``, ``"int8"`` / ``"int4"`` / ``"ternary"`` (blockwise,
             stochastic rounding; ternary: levels -1, 0, 1, five per byte).
