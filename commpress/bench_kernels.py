@@ -57,7 +57,7 @@ DENSITY = 0.01  # top-k / random-k
 INT_BLOCK = 256  # int8 / int4 scale block (the codecs' default)
 SR_BLOCK = 64  # the stochastic encode's block (the FSDP residual store's)
 #: Ops timed only on backends that have them (the others have every op of the table).
-OPTIONAL_OPS = schema.BLOCKINT_OPS
+OPTIONAL_OPS = schema.NATIVE_ONLY_OPS
 
 
 @dataclass
@@ -181,7 +181,7 @@ def _bench_backend(
     e_ref = e.clone()
     out_ref = out.clone()
     dst = torch.empty_like(out)  # int8 / int4 decode into a reused buffer, as the codec API does
-    with_int = has_ops(backend, OPTIONAL_OPS, x.device.type)
+    with_int = has_ops(backend, schema.BLOCKINT_OPS, x.device.type)
     ints = {b: c.blockint_encode(x, b, INT_BLOCK) for b in (8, 4)} if with_int else {}
 
     cases: list[tuple[str, Callable[[], object], Callable[[], object] | None, float]] = [
@@ -309,7 +309,7 @@ def available_backends(device: str) -> tuple[list[str], dict[str, str]]:
     ok: list[str] = []
     skipped: dict[str, str] = {}
     reason = ops.load_native()
-    timed_ops = [op for op in ops.native_ops() if op not in OPTIONAL_OPS]  # int8/int4: timed where present
+    timed_ops = [op for op in ops.native_ops() if op not in OPTIONAL_OPS]  # int8/int4, ternary: timed where present
     missing = [op for op in timed_ops if device not in ops.native_ops()[op]]
     if reason is not None or missing:
         skipped["native"] = reason or f"built without {device} kernels for {missing}"

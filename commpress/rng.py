@@ -153,3 +153,18 @@ def paired_u24_torch(seed: int, stream: int, count: int, device: torch.device | 
     mask = 0xFFFFFF
     return torch.stack((z & mask, _shr(z, 32) & mask), 1).reshape(-1)[:count]
 
+
+def add_paired_u24_(fixed: torch.Tensor, seed: int, stream: int) -> torch.Tensor:
+    """``fixed += paired_u24(seed, stream, fixed.numel())`` in place, on ``fixed``'s device; returns ``fixed``.
+
+    ``fixed`` is a contiguous 1-D int32 tensor (the 24-bit fixed point of a stochastic
+    rounding, whose sums with the uniforms int32 holds). On the CPU the uniforms come from
+    numpy's uint64 hashing (:func:`paired_u24`, about twice torch's int64 there), elsewhere from
+    :func:`paired_u24_torch` on the device: the same numbers either way.
+    """
+    n = fixed.numel()
+    if fixed.device.type == "cpu":
+        fixed += torch.from_numpy(paired_u24(seed, stream, n).view("int32"))
+    else:
+        fixed += paired_u24_torch(seed, stream, n, fixed.device).to(torch.int32)
+    return fixed

@@ -189,6 +189,35 @@ inline DType check_blockint_decode(const at::Tensor& scales, const at::Tensor& p
   return dtype;
 }
 
+// The ternary kind's packed bytes (commpress/spec/ternary.py): n elements in blocks of
+// block_size (>= 1; the last block padded to a whole one, even a block longer than the
+// tensor), five levels per byte. Raises when the padded length passes INT64_MAX.
+inline int64_t check_ternary_sizes(const char* op, int64_t n, int64_t block_size) {
+  check_block(op, "block_size", block_size, 1);
+  const int64_t nblocks = n_blocks(n, block_size);
+  TORCH_CHECK(nblocks == 0 || block_size <= (INT64_MAX - 4) / nblocks, op, ": ", n,
+              " elements padded to whole blocks of block_size=", block_size, " pass 2**63");
+  return (nblocks * block_size + 4) / 5;
+}
+
+// ternary_decode's arguments: float32 out, one float32 scale per block, the packed bytes.
+inline void check_ternary_decode(const at::Tensor& scales, const at::Tensor& packed,
+                                 int64_t block_size, const at::Tensor& out,
+                                 c10::DeviceType device) {
+  static constexpr const char* op = "ternary_decode";
+  check_vector(op, "out", out, device);
+  check_dtype(op, "out", out, at::kFloat);
+  check_companion(op, "scales", scales, out, at::kFloat);
+  check_companion(op, "packed", packed, out, at::kByte);
+  const int64_t n = out.numel();
+  const int64_t nbytes = check_ternary_sizes(op, n, block_size);
+  TORCH_CHECK(scales.numel() == n_blocks(n, block_size), op, ": scales has ", scales.numel(),
+              " elements, ", n, " outputs in blocks of ", block_size, " need ",
+              n_blocks(n, block_size));
+  TORCH_CHECK(packed.numel() == nbytes, op, ": packed has ", packed.numel(), " bytes, ", n,
+              " outputs in blocks of ", block_size, " need ", nbytes);
+}
+
 // qsgd_decode's arguments (one norm per bucket, `bits` bits per output); returns out's code.
 inline DType check_qsgd_decode(const at::Tensor& norms, const at::Tensor& packed, int64_t bits,
                                int64_t levels, int64_t bucket_size, const at::Tensor& out,

@@ -72,6 +72,13 @@ TORCH_LIBRARY(commpress, m) {
   // floor((floor(clamp(x / scale, -q_max, q_max) * 2**24) + v) / 2**24) + q_max, v element i's
   // 24-bit uniform of rng.paired_u24(seed, STREAM_BLOCKINT_SR); decoded by blockint_decode.
   m.def("blockint_encode_sr(Tensor x, int bits, int block_size, int seed) -> (Tensor scales, Tensor packed)");
+  // Ternary (commpress/spec/ternary.py, the FSDP store's smallest kind), float32 only: per
+  // block of block_size elements (the last one padded with zeros to a whole block, even a
+  // block longer than x) the scale absmax, per element the level q in {-1, 0, 1} of
+  // blockint_encode_sr's rounding with q_max = 1, the fields q + 1 packed five per byte in base
+  // 3 (first element least significant), padded with field 1. Decode: out[i] = q_i * scale.
+  m.def("ternary_encode_sr(Tensor x, int block_size, int seed) -> (Tensor scales, Tensor packed)");
+  m.def("ternary_decode(Tensor scales, Tensor packed, int block_size, Tensor(a!) out) -> ()");
 
   // The instruction-set variant of the CPU kernels ("default", "avx2", "avx512"): returns the
   // active one after switching to `isa` (empty: no change). For tests and benchmarks.

@@ -4,7 +4,10 @@
 
 ``--store``: instead, what FSDP's compression state costs to store and load per element kind
 (``commpress.fsdp.residuals.ResidualStore``, blocks of 64: int8 / int4 on the native stochastic
-kernel, ternary in vectorised torch), beside ``copy_`` of the same tensor.
+kernel, ternary as the store runs it), beside ``copy_`` of the same tensor; then the ternary
+kind's encode and decode on its fast path (:mod:`commpress.kernels.ternary`: the native
+``ternary_encode_sr`` / ``ternary_decode`` where built) against its specification
+(:mod:`commpress.spec.ternary`, vectorised torch).
 
 The fast path is the native kernels where built (else vectorised torch; ``COMMPRESS_DISABLE_NATIVE=1``
 times that). Against ``copy_`` through the codec API: ``scripts/bench_encode_api.py --codec int8 --decode``.
@@ -68,6 +71,22 @@ def store_kinds(x: torch.Tensor, out: torch.Tensor, threads: int) -> None:
         get = best_ms(lambda: store.get("x"))
         print(f"{kind}: {store.nbytes() / x.numel():.4f} bytes/element; put {put:.1f} ms ({put / copy_ms:.0f}x copy_), "
               f"get {get:.1f} ms ({get / copy_ms:.0f}x copy_)")
+    from commpress.kernels import ops
+    from commpress.kernels import ternary as ternary_fast
+    from commpress.spec import ternary as ternary_spec
+
+    block = residuals.VELOCITY_BLOCK
+    n = x.numel()
+    scales, packed = ternary_spec.encode_stochastic(x, block, 1)
+    rows = {"spec": (lambda: ternary_spec.encode_stochastic(x, block, 1),
+                     lambda: ternary_spec.decode(scales, packed, block, n))}
+    backend = ops.backend_for("ternary_encode_sr", "cpu")
+    rows[f"fast ({backend})"] = (lambda: ternary_fast.encode_stochastic(x, block, 1),
+                                 lambda: ternary_fast.decode(scales, packed, block, n))
+    for name, (encode, decode) in rows.items():
+        put, get = best_ms(encode), best_ms(decode)
+        print(f"ternary {name}: encode {put:.1f} ms ({put / copy_ms:.1f}x copy_), "
+              f"decode {get:.1f} ms ({get / copy_ms:.1f}x copy_)")
 
 
 if __name__ == "__main__":

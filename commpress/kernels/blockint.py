@@ -90,20 +90,16 @@ def encode_stochastic(x: torch.Tensor, bits: int, block_size: int, seed: int) ->
 
 
 def encode_stochastic_torch(x: torch.Tensor, bits: int, block_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`encode_stochastic` in vectorised torch (the uniforms on ``x``'s device, :func:`commpress.rng.paired_u24_torch`, or numpy's for the CPU).
+    """:func:`encode_stochastic` in vectorised torch (the uniforms added on ``x``'s device by :func:`commpress.rng.add_paired_u24_`).
 
     About 20x slower than the native CPU kernel (the hashing is most of it); what a
     CPU install without the extension, or a CUDA tensor with a CPU-only build, runs.
     """
     qmax = QMAX[bits]
-    numel = x.numel()
     scales, r = _scaled(x, bits, block_size)
     # int32 holds it all: |T| <= q_max * 2**24 and T + v < (q_max + 1) * 2**24 <= 2**31
     fixed = r.clamp_(-qmax, qmax).mul_(float(1 << 24)).floor_().to(torch.int32)
-    if x.device.type == "cpu":  # numpy's uint64 hashing is about 2x torch's int64 on the CPU
-        fixed += torch.from_numpy(rng.paired_u24(seed, rng.STREAM_BLOCKINT_SR, numel).view("int32"))
-    else:
-        fixed += rng.paired_u24_torch(seed, rng.STREAM_BLOCKINT_SR, numel, x.device).to(torch.int32)
+    rng.add_paired_u24_(fixed, seed, rng.STREAM_BLOCKINT_SR)
     return _packed(scales, fixed.bitwise_right_shift_(24).add_(qmax).to(torch.uint8), bits, x.dtype)
 
 

@@ -273,6 +273,43 @@ def check_blockint_decode(a: schema.BlockintDecode) -> str:
     return out.device.type
 
 
+def ternary_nbytes(n: int, block: int) -> int:
+    """Bytes of the ternary kind's levels: ``n`` elements padded to whole blocks, five per byte."""
+    return -(-(n_blocks(n, block) * block) // 5)
+
+
+def _ternary_block(op: str, n: int, block_size: Any) -> None:
+    _int(op, "block_size", block_size, 1)
+    if n_blocks(n, block_size) * block_size + 4 > INT64_MAX:
+        raise fail(op, f"{n} elements padded to whole blocks of block_size={block_size} pass 2**63")
+
+
+def check_ternary_encode_sr(a: schema.TernaryEncodeSr) -> str:
+    """``ternary_encode_sr``: float32 ``x`` (the kind's only dtype), block_size >= 1, an int64 seed."""
+    op = "ternary_encode_sr"
+    _vector(op, "x", a.x, (torch.float32,))
+    _ternary_block(op, a.x.numel(), a.block_size)
+    _seed(op, a.seed)
+    return a.x.device.type
+
+
+def check_ternary_decode(a: schema.TernaryDecode) -> str:
+    """``ternary_decode``: float32 ``out``, one float32 scale per block, the packed bytes of the padded blocks."""
+    op, out, block_size = "ternary_decode", a.out, a.block_size
+    _vector(op, "out", out, (torch.float32,))
+    _companion(op, "scales", a.scales, out, "out", torch.float32)
+    _companion(op, "packed", a.packed, out, "out", torch.uint8)
+    n = out.numel()
+    _ternary_block(op, n, block_size)
+    need = n_blocks(n, block_size)
+    if a.scales.numel() != need:
+        raise fail(op, f"scales has {a.scales.numel()} elements, {n} outputs in blocks of {block_size} need {need}")
+    nbytes = ternary_nbytes(n, block_size)
+    if a.packed.numel() != nbytes:
+        raise fail(op, f"packed has {a.packed.numel()} bytes, {n} outputs in blocks of {block_size} need {nbytes}")
+    return out.device.type
+
+
 def check_topk_select(a: schema.TopkSelect) -> str:
     """``topk_select``."""
     op, x, k = "topk_select", a.x, a.k
@@ -338,6 +375,8 @@ CHECKS: dict[str, Callable[[Any], str]] = {
     "blockint_encode": check_blockint_encode,
     "blockint_decode": check_blockint_decode,
     "blockint_encode_sr": check_blockint_encode_sr,
+    "ternary_encode_sr": check_ternary_encode_sr,
+    "ternary_decode": check_ternary_decode,
 }
 
 

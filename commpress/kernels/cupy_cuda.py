@@ -59,7 +59,7 @@ from .cupy_launch import (
 from .cupy_nvrtc import Launcher, compile_unit, module_source, unavailable
 from .schema import implements
 
-OPS = frozenset(schema.OP_NAMES) - frozenset(schema.BLOCKINT_OPS)  # all but int8/int4
+OPS = frozenset(schema.OP_NAMES) - frozenset(schema.NATIVE_ONLY_OPS)  # all but int8/int4 and ternary
 
 __all__ = [  # the ops (OPS), then entry points of the rooms below, imported from here
     "pack_bits", "unpack_bits", "sign_encode", "sign_decode", "qsgd_encode", "qsgd_decode",

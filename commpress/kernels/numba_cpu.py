@@ -35,7 +35,7 @@ from ..dtypes import accumulate_dtype, index_dtype
 from . import checks, schema
 from .schema import implements
 
-OPS = frozenset(schema.OP_NAMES) - frozenset(schema.BLOCKINT_OPS)  # all but int8/int4
+OPS = frozenset(schema.OP_NAMES) - frozenset(schema.NATIVE_ONLY_OPS)  # all but int8/int4 and ternary
 
 # Rounding modes: the dtype whose values the reference rounds to.
 _EXACT, _HALF, _BF16 = 0, 1, 2

@@ -193,10 +193,17 @@ def _register_fakes() -> None:
     def _blockint_encode_sr_fake(x: torch.Tensor, bits: int, block_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         return _blockint_encode_fake(x, bits, block_size)
 
+    @torch.library.register_fake("commpress::ternary_encode_sr")
+    def _ternary_encode_sr_fake(x: torch.Tensor, block_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = x.numel()
+        nbytes = checks.ternary_nbytes(n, block_size)
+        return x.new_empty(checks.n_blocks(n, block_size)), x.new_empty(nbytes, dtype=torch.uint8)
+
     def _writes_out_only(*args: Any) -> None:
         return None  # these ops only write into the ``out`` they are given
 
-    for op in ("sign_decode", "qsgd_decode", "sparse_scatter_add", "randomk_scatter_add", "blockint_decode"):
+    for op in ("sign_decode", "qsgd_decode", "sparse_scatter_add", "randomk_scatter_add", "blockint_decode",
+               "ternary_decode"):
         torch.library.register_fake(f"commpress::{op}")(_writes_out_only)
 
 
@@ -353,3 +360,16 @@ def blockint_encode_sr(x: torch.Tensor, bits: int, block_size: int, seed: int) -
 def blockint_decode(a: schema.BlockintDecode) -> None:
     """``out = decode(scales, packed)``, or ``+=`` with ``accumulate``, for int8/int4 (1-D contiguous ``out``)."""
     call("blockint_decode", *a)
+
+
+# ----- ternary ------------------------------------------------------------------------------------
+def ternary_encode_sr(x: torch.Tensor, block_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scales, packed)`` of the ternary kind for 1-D float32 ``x``; see :func:`commpress.spec.ternary.encode_stochastic`."""
+    scales, packed = call("ternary_encode_sr", x, block_size, _signed_seed(seed))
+    return scales, packed
+
+
+@schema.implements(schema.TernaryDecode)
+def ternary_decode(a: schema.TernaryDecode) -> None:
+    """``out = decode(scales, packed)`` of the ternary kind (1-D contiguous float32 ``out``)."""
+    call("ternary_decode", *a)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .. import rng
-from ..spec import blockint, qsgd, randomk, sign, topk
+from ..spec import blockint, qsgd, randomk, sign, ternary, topk
 from ..spec.bitpack import pack_bits_reference, unpack_bits_reference
 from . import checks, schema
 from .schema import implements
@@ -104,3 +104,15 @@ def blockint_decode(a: schema.BlockintDecode) -> None:
     """:func:`commpress.spec.blockint.decode_reference`."""
     block = checks.effective_block(a.out.numel(), a.block_size)
     blockint.decode_reference(a.scales, a.packed, a.bits, block, a.out, a.accumulate)
+
+
+@implements(schema.TernaryEncodeSr)
+def ternary_encode_sr(a: schema.TernaryEncodeSr) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`commpress.spec.ternary.encode_stochastic` (a block longer than x is padded, as there)."""
+    return ternary.encode_stochastic(a.x, a.block_size, _unsigned(a.seed))
+
+
+@implements(schema.TernaryDecode)
+def ternary_decode(a: schema.TernaryDecode) -> None:
+    """:func:`commpress.spec.ternary.decode`, written into ``out``."""
+    a.out.copy_(ternary.decode(a.scales, a.packed, a.block_size, a.out.numel()))

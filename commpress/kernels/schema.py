@@ -143,6 +143,27 @@ class BlockintDecode(NamedTuple):
     accumulate: bool = True
 
 
+class TernaryEncodeSr(NamedTuple):
+    """``ternary_encode_sr(Tensor x, int block_size, int seed) -> (Tensor scales, Tensor packed)`` (seed: int64 bits).
+
+    float32 ``x`` only: the ternary kind stores the FSDP store's float32 tensors, and its
+    specification (:mod:`commpress.spec.ternary`) computes in float32; other dtypes are refused.
+    """
+
+    x: torch.Tensor
+    block_size: int
+    seed: int
+
+
+class TernaryDecode(NamedTuple):
+    """``ternary_decode(Tensor scales, Tensor packed, int block_size, Tensor(a!) out)`` (float32 ``scales`` and ``out``)."""
+
+    scales: torch.Tensor
+    packed: torch.Tensor
+    block_size: int
+    out: torch.Tensor
+
+
 #: op name -> its argument record, in the order of ``csrc/registration.cpp``.
 SIGNATURES: dict[str, Callable[..., tuple[Any, ...]]] = {
     "pack_bits": PackBits,
@@ -158,6 +179,8 @@ SIGNATURES: dict[str, Callable[..., tuple[Any, ...]]] = {
     "blockint_encode": BlockintEncode,
     "blockint_decode": BlockintDecode,
     "blockint_encode_sr": BlockintEncodeSr,
+    "ternary_encode_sr": TernaryEncodeSr,
+    "ternary_decode": TernaryDecode,
 }
 
 #: Every commpress kernel op.
@@ -166,6 +189,13 @@ OP_NAMES = tuple(SIGNATURES)
 #: The int8/int4 ops: native CPU and CUDA kernels and the reference only (no numba or CuPy
 #: kernels); without the extension :mod:`commpress.kernels.blockint` runs its torch path.
 BLOCKINT_OPS = ("blockint_encode", "blockint_decode", "blockint_encode_sr")
+
+#: The ternary ops (the FSDP store's smallest kind): native and reference only too; without the
+#: extension :mod:`commpress.kernels.ternary` runs the specification's torch code.
+TERNARY_OPS = ("ternary_encode_sr", "ternary_decode")
+
+#: The ops with native kernels and the reference only (no numba or CuPy kernels).
+NATIVE_ONLY_OPS = BLOCKINT_OPS + TERNARY_OPS
 
 
 def implements(record: Callable[P, A]) -> Callable[[Callable[[A], R]], Callable[P, R]]:

@@ -16,8 +16,12 @@ the tail padded with level 0. Bytes per element: ``0.2 + 4 / block`` (0.2625 for
 against int4's 0.5625): what lets residuals and Adam's local velocities fit one gradient shard
 at 8 ranks.
 
-There is no native kernel: this is the implementation as well as the specification. The
-uniforms are the counter-based ones every commpress kernel draws (numpy's hashing on the CPU,
+This is the specification. The native kernels ``commpress::ternary_encode_sr`` /
+``ternary_decode`` (C++ CPU in ``csrc/cpu/ternary.cpp``, CUDA in ``csrc/cuda/ternary.cu``;
+float32) give its bytes bit for bit, and :mod:`commpress.kernels.ternary` is the fast path with
+these signatures (native where built, else this code; tests/kernels/test_ternary_kernels.py).
+The uniforms are the counter-based ones every commpress kernel draws
+(:func:`commpress.rng.add_paired_u24_`: numpy's hashing on the CPU,
 :func:`commpress.rng.paired_u24_torch` on other devices: the same numbers), so a resumed run
 stores the same codes on any device.
 """
@@ -74,10 +78,7 @@ def encode_stochastic(x: torch.Tensor, block: int, seed: int) -> tuple[torch.Ten
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     # int32 holds it: |T| <= 2**24 and T + v < 2 * 2**24
     fixed = (rows / safe[:, None]).clamp_(-1.0, 1.0).reshape(-1).mul_(float(1 << 24)).floor_().to(torch.int32)
-    if flat.device.type == "cpu":  # numpy's uint64 hashing is about 2x torch's int64 on the CPU
-        fixed += torch.from_numpy(rng.paired_u24(seed, rng.STREAM_BLOCKINT_SR, fixed.numel()).view("int32"))
-    else:
-        fixed += rng.paired_u24_torch(seed, rng.STREAM_BLOCKINT_SR, fixed.numel(), flat.device).to(torch.int32)
+    rng.add_paired_u24_(fixed, seed, rng.STREAM_BLOCKINT_SR)
     return scales, pack(fixed.bitwise_right_shift_(24).add_(1).to(torch.uint8))
 
 

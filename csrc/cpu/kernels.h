@@ -159,6 +159,33 @@ struct BlockIntDecodeArgs {
 };
 using BlockIntDecodeFn = void (*)(const BlockIntDecodeArgs&, int64_t i0, int64_t i1);
 
+// Ternary (commpress/spec/ternary.py; float32 only, what the FSDP store keeps): the scales
+// (absmax) of blocks [b0, b1) and the bytes of their levels (five per byte, base 3), the
+// elements past n written as level 0 up to the padded end of the blocks (b1 * block) and of
+// the last byte. b0 * block and, unless b1 is the last block, b1 * block are multiples of 5,
+// so every task owns whole bytes. Returns false, with no level written, when an element of
+// those blocks is NaN or Inf.
+struct TernaryEncodeArgs {
+  const float* x;
+  float* scales;  // one per block
+  uint8_t* packed;
+  int64_t n;
+  int64_t block;
+  uint64_t key;  // rng_key(seed, kStreamBlockIntSR): the uniforms of blockint_encode_sr
+};
+using TernaryEncodeFn = bool (*)(const TernaryEncodeArgs&, int64_t b0, int64_t b1);
+
+// out[i] = (digit_i - 1) * s_b for i in [i0, i1), i0 a multiple of 5: the product as it is
+// (a -0 stays -0, like the specification's decode). Any byte value is read safely.
+struct TernaryDecodeArgs {
+  const float* scales;
+  const uint8_t* packed;
+  float* out;
+  int64_t n;
+  int64_t block;
+};
+using TernaryDecodeFn = void (*)(const TernaryDecodeArgs&, int64_t i0, int64_t i1);
+
 // Index of a blockint width in the tables: 4 -> 0, 8 -> 1.
 inline int blockint_bits_index(int64_t bits) { return bits == 4 ? 0 : 1; }
 
@@ -176,6 +203,8 @@ struct Kernels {
   BlockIntEncodeFn blockint_encode[4][2];  // [dtype][bits index]
   BlockIntEncodeFn blockint_encode_sr[4][2];  // stochastic rounding (blockint_field_sr)
   BlockIntDecodeFn blockint_decode[4][2];
+  TernaryEncodeFn ternary_encode_sr;  // float32
+  TernaryDecodeFn ternary_decode;
 };
 
 // The table in use: the widest variant this CPU supports, unless select_isa() chose another.

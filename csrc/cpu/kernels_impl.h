@@ -1045,6 +1045,124 @@ void blockint_decode_range(const BlockIntDecodeArgs& a, int64_t i0, int64_t i1) 
   }
 }
 
+// ----- ternary (five levels per byte, float32) ---------------------------------------------------
+
+// Elements per tile of the ternary loops: a multiple of 5 (whole bytes) and of 16 (vectors).
+constexpr int64_t kTernaryTile = 640;
+
+// Fields (level + 1) of [s, end) into tile[s .. end): blockint_field_sr with q_max = 1, one
+// 64-bit draw per pair of elements (the pair 2j, 2j + 1 shares draw j).
+inline void ternary_elems(const float* __restrict__ x, float safe, uint64_t key,
+                          uint8_t* __restrict__ tile, int64_t s, int64_t end) {
+  int64_t i = s;
+  if (i < end && (i & 1) != 0) {
+    tile[i] = blockint_field_sr<float>(x[i], safe, 1, rng_u24_paired(key, static_cast<uint64_t>(i)));
+    ++i;
+  }
+  for (; i + 2 <= end; i += 2) {
+    const uint64_t r = rng_draw(key, static_cast<uint64_t>(i) >> 1);
+    tile[i] = blockint_field_sr<float>(x[i], safe, 1, static_cast<uint32_t>(r) & 0xFFFFFFu);
+    tile[i + 1] = blockint_field_sr<float>(x[i + 1], safe, 1, static_cast<uint32_t>(r >> 32) & 0xFFFFFFu);
+  }
+  if (i < end) {
+    tile[i] = blockint_field_sr<float>(x[i], safe, 1, rng_u24_paired(key, static_cast<uint64_t>(i)));
+  }
+}
+
+// The fields of one block segment [s, end): the AVX-512 encode of blockint_encode_sr (Bits 8:
+// one field per byte, q_max = 1) from the first multiple of 16, the rest in scalar.
+inline void ternary_segment(const float* __restrict__ x, float safe, uint64_t key,
+                            uint8_t* __restrict__ tile, int64_t s, int64_t end) {
+#if COMMPRESS_AVX512
+  const int64_t a = (s + 15) / 16 * 16 < end ? (s + 15) / 16 * 16 : end;
+  ternary_elems(x, safe, key, tile, s, a);
+  const int64_t i = a < end ? blockint_encode_f32<8, true>(x, safe, 1, key, tile, a, end) : end;
+  ternary_elems(x, safe, key, tile, i, end);
+#else
+  ternary_elems(x, safe, key, tile, s, end);
+#endif
+}
+
+bool ternary_encode_blocks(const TernaryEncodeArgs& a, int64_t b0, int64_t b1) {
+  const float* __restrict__ x = a.x;
+  bool bad = false;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t s = b * a.block;
+    const int64_t end = s + a.block < a.n ? s + a.block : a.n;
+#if COMMPRESS_AVX512
+    a.scales[b] = blockint_amax_f32(x, s, end, &bad);  // s = amax / q_max, q_max = 1
+#else
+    a.scales[b] = blockint_amax<float>(x, s, end, &bad);
+#endif
+  }
+  if (bad) {
+    return false;
+  }
+  const int64_t i0 = b0 * a.block;
+  const int64_t e1 = b1 * a.block;  // the padded end of the blocks
+  const int64_t real = e1 < a.n ? e1 : a.n;
+  alignas(64) uint8_t fields[kTernaryTile];
+  int64_t t0 = i0;
+  for (; t0 < real; t0 += kTernaryTile) {
+    const int64_t t1 = t0 + kTernaryTile < e1 ? t0 + kTernaryTile : e1;
+    const int64_t r1 = t1 < a.n ? t1 : a.n;
+    uint8_t* tile = fields - t0;  // tile[i] for i in [t0, t1)
+    for_segments(t0, r1, a.block, [&](int64_t s, int64_t end, int64_t b) {
+      const float safe = a.scales[b] > 0.0f ? a.scales[b] : 1.0f;
+      ternary_segment(x, safe, a.key, tile, s, end);
+    });
+    const int64_t count = (t1 - t0 + kTernaryPerByte - 1) / kTernaryPerByte;  // bytes
+    for (int64_t i = r1 - t0; i < count * kTernaryPerByte; ++i) {
+      fields[i] = 1;  // level 0 past the last element
+    }
+    uint8_t* __restrict__ out = a.packed + t0 / kTernaryPerByte;
+    for (int64_t q = 0; q < count; ++q) {
+      const uint8_t* f = fields + q * kTernaryPerByte;
+      out[q] = ternary_byte(f[0], f[1], f[2], f[3], f[4]);
+    }
+  }
+  if (t0 < e1) {  // whole bytes of padding (a block much longer than the tensor)
+    const int64_t q0 = t0 / kTernaryPerByte;
+    const int64_t q1 = (e1 + kTernaryPerByte - 1) / kTernaryPerByte;
+    std::memset(a.packed + q0, kTernaryZeroByte, static_cast<size_t>(q1 - q0));
+  }
+  return true;
+}
+
+// Row b: the levels (digit - 1) of byte b, digits of b in base 3 (for every byte, 243-255 too).
+struct TernaryLevels {
+  float v[256][kTernaryPerByte];
+  constexpr TernaryLevels() : v() {
+    for (int b = 0; b < 256; ++b) {
+      for (int k = 0; k < kTernaryPerByte; ++k) {
+        v[b][k] = static_cast<float>(ternary_digit(static_cast<uint32_t>(b), k)) - 1.0f;
+      }
+    }
+  }
+};
+constexpr TernaryLevels kTernaryLevels{};
+
+void ternary_decode_range(const TernaryDecodeArgs& a, int64_t i0, int64_t i1) {
+  alignas(64) float levels[kTernaryTile];
+  for (int64_t t0 = i0; t0 < i1; t0 += kTernaryTile) {
+    const int64_t t1 = t0 + kTernaryTile < i1 ? t0 + kTernaryTile : i1;
+    const uint8_t* __restrict__ bytes = a.packed + t0 / kTernaryPerByte;
+    const int64_t count = (t1 - t0 + kTernaryPerByte - 1) / kTernaryPerByte;
+    for (int64_t q = 0; q < count; ++q) {
+      std::memcpy(levels + q * kTernaryPerByte, kTernaryLevels.v[bytes[q]],
+                  sizeof(float) * kTernaryPerByte);
+    }
+    const float* lv = levels - t0;
+    float* __restrict__ out = a.out;
+    for_segments(t0, t1, a.block, [&](int64_t s, int64_t end, int64_t b) {
+      const float sc = a.scales[b];
+      for (int64_t i = s; i < end; ++i) {
+        out[i] = lv[i] * sc;  // IEEE product, as the specification's levels * scale
+      }
+    });
+  }
+}
+
 // ----- the table ---------------------------------------------------------------------------------
 
 template <int Kind, class T>
@@ -1102,6 +1220,8 @@ const Kernels table = {
      COMMPRESS_BLOCKINT_ENC_SR(BFloat16), COMMPRESS_BLOCKINT_ENC_SR(double)},
     {COMMPRESS_BLOCKINT_DEC(float), COMMPRESS_BLOCKINT_DEC(Half),
      COMMPRESS_BLOCKINT_DEC(BFloat16), COMMPRESS_BLOCKINT_DEC(double)},
+    &ternary_encode_blocks,
+    &ternary_decode_range,
 };
 
 #undef COMMPRESS_SUM_ROW

@@ -233,6 +233,44 @@ void blockint_decode_cuda(const at::Tensor& scales, const at::Tensor& packed, in
       block, dtype, out.data_ptr(), accumulate ? 1 : 0, stream()));
 }
 
+// ----- ternary -------------------------------------------------------------------------------
+
+std::tuple<at::Tensor, at::Tensor> ternary_encode_sr_cuda(const at::Tensor& x, int64_t block_size,
+                                                          int64_t seed) {
+  static constexpr const char* op = "ternary_encode_sr";
+  check_vector(op, "x", x, kCUDA);
+  TORCH_CHECK(x.scalar_type() == at::kFloat, op,
+              ": x must have dtype float32 (the ternary kind stores float32), got ",
+              x.scalar_type());
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t n = x.numel();
+  const int64_t nbytes = check_ternary_sizes(op, n, block_size);
+  at::Tensor scales = at::empty({n_blocks(n, block_size)}, x.options());
+  at::Tensor packed = at::empty({nbytes}, x.options().dtype(at::kByte));
+  if (n == 0) {
+    return {scales, packed};
+  }
+  at::Tensor amax =
+      at::empty({commpress_blockint_scratch_cuda(n, block_size)}, x.options().dtype(at::kLong));
+  at::Tensor flags = at::empty({1}, x.options().dtype(at::kInt));
+  C10_CUDA_CHECK(commpress_ternary_encode_sr_cuda(
+      x.const_data_ptr<float>(), n, block_size, nbytes, seed_bits(seed),
+      scales.mutable_data_ptr<float>(), packed.mutable_data_ptr<uint8_t>(),
+      reinterpret_cast<unsigned long long*>(amax.mutable_data_ptr<int64_t>()),
+      flags.mutable_data_ptr<int>(), stream()));
+  check_finite(!(read_flags(flags) & cuda::kFlagNonFinite), op, "x");
+  return {scales, packed};
+}
+
+void ternary_decode_cuda(const at::Tensor& scales, const at::Tensor& packed, int64_t block_size,
+                         const at::Tensor& out) {
+  check_ternary_decode(scales, packed, block_size, out, kCUDA);
+  const c10::cuda::CUDAGuard guard(out.device());
+  C10_CUDA_CHECK(commpress_ternary_decode_cuda(scales.const_data_ptr<float>(),
+                                               packed.const_data_ptr<uint8_t>(), out.numel(),
+                                               block_size, out.mutable_data_ptr<float>(), stream()));
+}
+
 // ----- top-k and sparse scatter-add ----------------------------------------------------------
 
 std::tuple<at::Tensor, at::Tensor> topk_select_cuda(const at::Tensor& x, int64_t k) {
@@ -341,6 +379,8 @@ TORCH_LIBRARY_IMPL(commpress, CUDA, m) {
   m.impl("blockint_encode", &blockint_encode_cuda);
   m.impl("blockint_encode_sr", &blockint_encode_sr_cuda);
   m.impl("blockint_decode", &blockint_decode_cuda);
+  m.impl("ternary_encode_sr", &ternary_encode_sr_cuda);
+  m.impl("ternary_decode", &ternary_decode_cuda);
 }
 
 }  // namespace commpress

@@ -83,6 +83,18 @@ cudaError_t commpress_blockint_decode_cuda(const void* scales, const uint8_t* pa
                                            int bits, int64_t block, int dtype, void* out,
                                            int accumulate, cudaStream_t stream);
 
+// ternary (ternary.cu), float32 only: scales one per block (amax), packed
+// ceil(nblocks * block / 5) = nbytes bytes (the padded blocks, five levels per byte). Scratch
+// `amax`: commpress_blockint_scratch_cuda(n, block) words. flags bit 1 = NaN/Inf in x (then
+// nothing is written). seed is the uint64 seed.
+cudaError_t commpress_ternary_encode_sr_cuda(const float* x, int64_t n, int64_t block,
+                                             int64_t nbytes, uint64_t seed, float* scales,
+                                             uint8_t* packed, unsigned long long* amax,
+                                             int* flags, cudaStream_t stream);
+// Decode: out = decoded (n elements).
+cudaError_t commpress_ternary_decode_cuda(const float* scales, const uint8_t* packed, int64_t n,
+                                          int64_t block, float* out, cudaStream_t stream);
+
 // bit packing (bitpack.cu)
 cudaError_t commpress_pack_bits_cuda(const uint8_t* fields, int64_t n, int bits, uint8_t* packed,
                                      unsigned long long* first_bad, cudaStream_t stream);

@@ -170,4 +170,29 @@ COMMPRESS_HD CT blockint_value(uint32_t field, CT scale, int qmax) {
   return mul_rn(static_cast<CT>(field) - static_cast<CT>(qmax), scale);
 }
 
+// ----- ternary (commpress/spec/ternary.py) --------------------------------------------------
+// Levels q in {-1, 0, 1} of a block scaled to its absmax s (float32): the stochastic rounding
+// of blockint_field_sr with q_max = 1 (field q + 1 in {0, 1, 2}, s = amax / 1 = amax), the
+// fields packed five per byte in base 3, the first element the least significant digit. Past
+// the last element (the padding of the last block and of the last byte) the field is 1 (q = 0).
+constexpr int kTernaryPerByte = 5;
+// 3**5 - 1: the largest valid byte (five fields of 2).
+constexpr int kTernaryMaxByte = 242;
+// The byte of five fields of 1 (level 0): the padding past the last element.
+constexpr uint8_t kTernaryZeroByte = 1 + 3 + 9 + 27 + 81;
+
+// The byte of five fields f[0..5) (each 0-2): sum f[k] * 3**k, at most 242.
+COMMPRESS_HD constexpr uint8_t ternary_byte(uint32_t f0, uint32_t f1, uint32_t f2, uint32_t f3, uint32_t f4) {
+  return static_cast<uint8_t>(f0 + 3u * (f1 + 3u * (f2 + 3u * (f3 + 3u * f4))));
+}
+
+// Digit k (0-4) of a byte in base 3: the field of its element k (any byte value: a byte above
+// 242 gives the specification's wrong but in-range digits, never an out-of-range one).
+COMMPRESS_HD constexpr uint32_t ternary_digit(uint32_t byte, int k) {
+  for (int j = 0; j < k; ++j) {
+    byte /= 3u;
+  }
+  return byte % 3u;
+}
+
 }  // namespace commpress
