@@ -4,7 +4,9 @@ Trains the digits MLP FSDP-sharded (``tests/fsdp_modes_workers.py::train_digits_
 with ``residual_dtype="auto"`` whose sizing is forced to each ``PAIRS`` entry (``residual/velocity``
 kinds; ``real/auto`` keeps :func:`commpress.fsdp.residuals.auto_kinds`), ``BLOCK=`` / ``VBLOCK=``
 overriding the residuals' / velocities' block size (``BLOCK`` / ``VELOCITY_BLOCK``), ``EPOCHS=`` the
-epochs (12; at 8 ranks take 48: 12 epochs are 60 steps there, most of them AdamW's dense warm-up). Prints the held-out accuracy per ``seed/optimizer/codec/residual/velocity``::
+epochs (12; at 8 ranks take 48: 12 epochs are 60 steps there, most of them AdamW's dense warm-up),
+``OPTIMIZER=none`` registering with ``optimizer=None`` (error feedback alone, the momentum left in the
+optimizer: the velocity kind is then unused). Prints the held-out accuracy per ``seed/optimizer/codec/residual/velocity``::
 
     PAIRS=int4/float32,float32/int4,int4/int4 VBLOCK=256 SEEDS=0 WORLD=4 CODEC=topk OPTIMS=adamw \\
         python scripts/fsdp_velocity_kinds.py /tmp/kinds.json
@@ -56,7 +58,8 @@ if __name__ == "__main__":
     codec = os.environ.get("CODEC", "topk")
     target = sys.argv[1] if len(sys.argv) > 1 else "/tmp/fsdp_velocity_kinds.json"
     w.launch(worker, int(os.environ.get("WORLD", "4")), target, pairs, seeds, codec,
-             {"ratio": 0.01} if codec == "topk" else {}, int(os.environ.get("BLOCK", "0")),
+             {**({"ratio": 0.01} if codec == "topk" else {}),
+              **({"optimizer": None} if os.environ.get("OPTIMIZER") == "none" else {})}, int(os.environ.get("BLOCK", "0")),
              int(os.environ.get("VBLOCK", "0")), os.environ.get("OPTIMS", "adamw").split(","),
              int(os.environ.get("EPOCHS", "12")), timeout=6000)
     print(Path(target).read_text())

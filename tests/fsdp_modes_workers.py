@@ -197,6 +197,7 @@ def worker_memory(rank: int, world: int, out: str) -> None:
         if rank == 0:
             Path(out, f"memory_{world}.json").write_text(json.dumps(report, indent=1))
         return
+    _discovered_randomk_adamw_fits(rank, world)
     passed, found = make_fsdp(), make_fsdp()  # SGD found after its first step == optimizer=, with "auto"
     passed_opt, found_opt = _sgd(passed.parameters(), momentum=0.9), _sgd(found.parameters(), momentum=0.9)
     commpress.fsdp.register(passed, "sign", optimizer=passed_opt, **auto)
@@ -211,9 +212,27 @@ def worker_memory(rank: int, world: int, out: str) -> None:
         Path(out, f"memory_{world}.json").write_text(json.dumps(report, indent=1))
 
 
+def _discovered_randomk_adamw_fits(rank: int, world: int) -> None:
+    """Random-k registered without ``optimizer=`` sizes its residuals alone (SGD's gain keeps no velocity); the
+    AdamW found at the first reduce-scatter gets the widest velocity kind beside them (ternary at 2 ranks, 1.13
+    shards by formula, with a warning), where they were float32 (3 shards)."""
+    model = make_fsdp()
+    opt = _adamw(model.parameters())
+    state = commpress.fsdp.register(model, "randomk", ratio=0.01, scaled=False, residual_dtype="auto", warmup_steps=2)
+    for step in range(4):
+        _step(model, opt, rank, step)
+    s = state.stats()
+    kinds = (state.residual_kind, state.velocity_kind)
+    bound = rstore.state_bytes(world, *kinds) / 4 * s["shard_bytes"]
+    assert_all_ranks(state.adam is not None and kinds == (rstore.auto_kind(world), "ternary")
+                     and 0 < s["velocity_bytes"] and s["compression_state_bytes"] <= bound,
+                     f"random-k + discovered AdamW: {kinds}, bound {bound}: {s}")
+
+
 def _discovered_adamw_narrows_its_velocities(rank: int, world: int) -> None:
     """Registered without ``optimizer=``, ``"auto"`` budgets top-k for SGD's velocities (ternary/int4 at 8 ranks);
-    the AdamW adopted at the first reduce-scatter stores them ternary, the ``optimizer=`` run bit for bit."""
+    the AdamW adopted at the first reduce-scatter stores them ternary, the ``optimizer=`` run bit for bit, and a
+    discovered SGD is its ``optimizer=`` run bit for bit too."""
     adam = {"residual_dtype": "auto", "warmup_steps": 2, "ratio": 0.01}
     passed, found = make_fsdp(), make_fsdp()
     passed_opt, found_opt = _adamw(passed.parameters()), _adamw(found.parameters())
@@ -221,9 +240,15 @@ def _discovered_adamw_narrows_its_velocities(rank: int, world: int) -> None:
     found_state = commpress.fsdp.register(found, "topk", **adam)
     assert_all_ranks(found_state.velocity_kind == "int4" and passed_state.velocity_kind == "ternary",
                      f"budget {found_state.velocity_kind}, passed {passed_state.velocity_kind}")
+    sgd_found, sgd_passed = make_fsdp(), make_fsdp()
+    sgd_found_opt, sgd_passed_opt = _sgd_m(sgd_found.parameters()), _sgd_m(sgd_passed.parameters())
+    commpress.fsdp.register(sgd_found, "topk", ratio=0.01, residual_dtype="auto")
+    commpress.fsdp.register(sgd_passed, "topk", ratio=0.01, residual_dtype="auto", optimizer=sgd_passed_opt)
     for step in range(4):
-        _step(passed, passed_opt, rank, step)
-        _step(found, found_opt, rank, step)
+        for model, opt in ((passed, passed_opt), (found, found_opt), (sgd_found, sgd_found_opt), (sgd_passed, sgd_passed_opt)):
+            _step(model, opt, rank, step)
+    assert_all_ranks(torch.equal(full_params(sgd_found), full_params(sgd_passed)),
+                     f"a discovered SGD at {world} ranks differs from optimizer=")
     assert_all_ranks(found_state.optimizer is found_opt and found_state.velocity_kind == "ternary"
                      and torch.equal(full_params(passed), full_params(found)),
                      f"a discovered AdamW at {world} ranks differs from optimizer= ({found_state.velocity_kind})")
@@ -343,7 +368,7 @@ def train_digits_fsdp(rank: int, world: int, codec: str | None, opts: dict[str, 
     opt = (torch.optim.AdamW(model.parameters(), **optim) if "betas" in optim
            else torch.optim.SGD(model.parameters(), **optim))
     if codec is not None:
-        commpress.fsdp.register(model, codec, optimizer=opt, **{"param_codec": "none", **opts})
+        commpress.fsdp.register(model, codec, **{"optimizer": opt, "param_codec": "none", **opts})  # opts may say optimizer=None
     for _ in range(epochs):
         for i in range(0, len(xtr), 35):
             loss = F.cross_entropy(model(xtr[i : i + 35]), ytr[i : i + 35])

@@ -54,6 +54,7 @@ import torch
 from ..checks import check_loaded_tensor
 from ..errors import CodecError
 from ..kernels import blockint
+from ..kernels import ternary as ternary_kernel
 from ..spec import ternary
 
 logger = logging.getLogger("commpress")
@@ -131,6 +132,26 @@ def state_bytes(world_size: int, residual: str, velocity: str | None, velocity_c
     out = (world_size - 1) * bytes_per_element(residual)
     chunks = world_size if velocity_chunks is None else velocity_chunks
     return out + (0.0 if velocity is None else chunks * bytes_per_element(velocity, VELOCITY_BLOCK))
+
+
+def velocity_kind_beside(residual: str, world_size: int, velocity_chunks: int | None = None,
+                         ternary_velocities: bool = False, grad_bytes: int = 4) -> str:
+    """The velocity kind of :func:`auto_kinds` when the residual kind is already fixed (an optimizer found late).
+
+    The velocity of the first :data:`PAIRS` entry with this residual kind that fits one shard,
+    else the widest velocity kind that fits beside it, else the narrowest allowed one with a
+    warning (float32 residuals at 2 ranks leave no room).
+    """
+    allowed = [v for v in ("float32", "bfloat16", "int8", "int4", "ternary") if ternary_velocities or v != "ternary"]
+    paired = [v for r, v in PAIRS if r == residual and v in allowed]
+    for velocity in [*paired, *allowed]:
+        if state_bytes(world_size, residual, velocity, velocity_chunks) <= grad_bytes:
+            return velocity
+    logger.warning("commpress: at %d ranks %s residuals and %s local velocities take %.2f gradient shards (the "
+                   "residual kind was sized before the optimizer was found; pass optimizer= to register to size both)",
+                   world_size, residual, allowed[-1],
+                   state_bytes(world_size, residual, allowed[-1], velocity_chunks) / grad_bytes)
+    return allowed[-1]
 
 
 def auto_kinds(world_size: int, local_velocity: bool, grad_bytes: int = 4,
@@ -253,7 +274,7 @@ def decoded(kind: Any, codes: Mapping[str, Any], scales: Mapping[str, Any], bloc
                     or value.numel() != ternary.packed_nbytes(s.numel() * block):
                 raise ValueError(f"{what} {key!r}: scales must be a float32 tensor of one scale per {block} levels")
             check_codes(kind, value, f"{what} {key!r}")
-            out[key] = ternary.decode(s, value, block, s.numel() * block)
+            out[key] = ternary_kernel.decode(s, value, block, s.numel() * block)
             continue
         numel = value.numel() * 8 // _BITS[kind]
         if block == BLOCK and what == "residual" and isinstance(s, torch.Tensor) and _legacy(kind, numel, value, s):
@@ -301,7 +322,7 @@ class ResidualStore:
             else:
                 low.copy_(e)
         elif self.kind == "ternary":
-            self.scales[key], self.codes[key] = ternary.encode_stochastic(e, self.block, seed)
+            self.scales[key], self.codes[key] = ternary_kernel.encode_stochastic(e, self.block, seed)
         else:
             self.codes[key], self.scales[key] = quantize(e, _BITS[self.kind], seed, self.block)
         self.numels[key] = e.numel()
@@ -314,7 +335,7 @@ class ResidualStore:
         if self.kind == "bfloat16":
             return codes.float()
         if self.kind == "ternary":
-            return ternary.decode(self.scales[key], codes, self.block, self.numels[key])
+            return ternary_kernel.decode(self.scales[key], codes, self.block, self.numels[key])
         return dequantize(codes, self.scales[key], _BITS[self.kind], self.numels[key], self.block)
 
     def drop(self, key: str) -> None:

@@ -660,14 +660,15 @@ class FSDPCompressionState(checkpoint.StateFile, LogsStats):
         """``residual_dtype="auto"`` and a discovered optimizer: size its velocities' kind again.
 
         Adam's may be stored narrower than the budget made for SGD's at registration (none is
-        stored yet). Only the velocities change, and only where the residual kind is the budget's:
-        the residuals may already hold a step.
+        stored yet), or need one where the budget had none (random-k, whose SGD momentum keeps no
+        velocity). Only the velocities change (the residuals may already hold a step): the widest
+        kind that fits beside the residual kind (:func:`.residuals.velocity_kind_beside`).
         """
         if not self._auto_kinds or self.adam is None:
             return
-        residual, velocity = rstore.auto_kinds(self._residual_chunks() + 1, True, velocity_chunks=self.chunks,
-                                               ternary_velocities=True)
-        if residual == self.residual_kind and velocity != self.velocity_kind:
+        velocity = rstore.velocity_kind_beside(self.residual_kind, self._residual_chunks() + 1,
+                                               velocity_chunks=self.chunks, ternary_velocities=True)
+        if velocity != self.velocity_kind:
             self.velocity_kind = velocity
             self._vstore = rstore.ResidualStore(velocity, "velocity", rstore.VELOCITY_BLOCK)
 

@@ -140,6 +140,11 @@ def test_auto_kinds_keep_residuals_and_local_velocities_within_one_shard(caplog:
     assert rstore.auto_kinds(8, True) == ("ternary", "int4") and "1.58 gradient shards" in caplog.text
     caplog.clear()
     assert rstore.auto_kinds(8, True, warn=False) == ("ternary", "int4") and not caplog.text
+    # an optimizer found late: the velocity kind beside the residual kind already fixed
+    for n, (residual, velocity) in adam.items():
+        assert rstore.velocity_kind_beside(residual, n, ternary_velocities=True) == velocity
+    assert rstore.velocity_kind_beside("int8", 3) == "int4" and not caplog.text  # int8/int4 at 3
+    assert rstore.velocity_kind_beside("float32", 2, ternary_velocities=True) == "ternary" and "1.13" in caplog.text
     assert rstore.auto_kinds(9, True, ternary_velocities=True) == ("ternary", "ternary") and "1.12" in caplog.text
     assert rstore.state_bytes(8, "ternary", "ternary") == 3.9375  # 15 * (0.2 + 4/64)
     # velocities and residuals in blocks of 64 (rstore.VELOCITY_BLOCK, rstore.BLOCK)
