@@ -41,13 +41,14 @@ def _skip(name: str, reason: str | None) -> Any:
     return pytest.param(name, marks=[pytest.mark.skip(reason=reason)] if reason else [])
 
 
-def _cuda_reason(op: str) -> str | None:
+def cuda_reason(op: str) -> str | None:
+    """Why the native CUDA ``op`` cannot run here (no extension, no device, a CPU-only build), or None."""
     if NATIVE_REASON is not None:
         return f"commpress._C not available: {NATIVE_REASON}"
     if not torch.cuda.is_available():
         return "no CUDA device"
     if not ops.has_native(op, "cuda"):
-        return "commpress._C was built without CUDA kernels"
+        return f"commpress._C was built without the CUDA {op}"
     return None
 
 
@@ -66,7 +67,7 @@ def params(all_isas: bool, op: str = "sign_encode", python: bool = True) -> list
         out += [f"cpu:{isa}" for isa in (ops.cpu_isas() if all_isas else [ops.cpu_isa()])]
     if python:
         out.append(_skip("numba", backends.unavailable("numba")))
-    out.append(_skip("cuda", _cuda_reason(op)))
+    out.append(_skip("cuda", cuda_reason(op)))
     if python:
         out.append(_skip("cupy", backends.unavailable("cupy")))
     return out

@@ -21,20 +21,9 @@ from commpress.errors import NonFiniteError
 from commpress.kernels import ops
 from commpress.spec import blockint as spec
 
+import kernel_backends
 
-def _skip_reason() -> str | None:
-    # the wording of tests/kernel_backends.py's CUDA backend
-    native = ops.load_native()
-    if native is not None:
-        return f"commpress._C not available: {native}"
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    if not ops.has_native("blockint_encode_sr", "cuda"):
-        return "commpress._C was built without the CUDA blockint_encode_sr"
-    return None
-
-
-SKIP_REASON = _skip_reason()
+SKIP_REASON = kernel_backends.cuda_reason("blockint_encode_sr")
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
 
 DEVICE = "cuda"

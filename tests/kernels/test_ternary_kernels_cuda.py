@@ -21,20 +21,9 @@ from commpress.kernels import ops
 from commpress.kernels import ternary as fast
 from commpress.spec import ternary as spec
 
+import kernel_backends
 
-def _skip_reason() -> str | None:
-    # the wording of tests/kernel_backends.py's CUDA backend
-    native = ops.load_native()
-    if native is not None:
-        return f"commpress._C not available: {native}"
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    if not ops.has_native("ternary_encode_sr", "cuda"):
-        return "commpress._C was built without the CUDA ternary_encode_sr"
-    return None
-
-
-SKIP_REASON = _skip_reason()
+SKIP_REASON = kernel_backends.cuda_reason("ternary_encode_sr")
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
 
 DEVICE = "cuda"
