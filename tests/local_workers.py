@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 import commpress.local
 from commpress.errors import ConfigurationError
@@ -485,6 +487,76 @@ def worker_replicas(rank: int, world: int, codec: str, h: int) -> None:
             assert_all_ranks(synced == (step % h == 0), f"step {step}: all ranks identical={synced}, H={h}")
     assert diloco.stats()["syncs"] == 3
     del ddp
+
+
+def _train_replicas(rank: int, inside: str, h: int, steps: int, **diloco: Any) -> tuple[list[torch.Tensor], list[bool], Any]:
+    """4 ranks as 2 replicas of 2 (``inside``: "ddp" or "fsdp", sharded over the replica), DiLoCo across.
+
+    Returns the full model after ``steps`` steps (gathered inside the replica), whether all four
+    ranks held the same full model after each step, and the trainer.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    inner = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replica", "shard"))["shard"]  # ranks {0, 1} / {2, 3}
+    model = make_net()
+    forward: torch.nn.Module = model
+    if inside == "fsdp":
+        for layer in (model.inp, model.h1, model.h2, model.h3, model.out):
+            fully_shard(layer, mesh=inner)
+        fully_shard(model, mesh=inner)
+    else:
+        forward = DDP(model, process_group=inner.get_group())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    def full() -> list[torch.Tensor]:  # the replica's whole model (a collective inside the replica for FSDP)
+        return [p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone() for p in model.parameters()]
+
+    same = []
+    with commpress.local.DiLoCo(model, opt, sync_every=h, min_numel=64, replica_group=inner.get_group(),
+                                **diloco) as trainer:
+        for step in range(1, steps + 1):
+            x, y = batch(rank, step)  # every rank its own data; DDP / FSDP average inside the replica
+            opt.zero_grad()
+            F.cross_entropy(forward(x), y).backward()
+            opt.step()
+            same.append(agree(full()))
+    return full(), same, trainer
+
+
+def worker_fsdp_replicas(rank: int, world: int, h: int) -> None:
+    """FSDP2 inside each replica: every rank syncs its own shard (half the bytes DDP inside sends); the
+    replicas agree after every sync and not between; with the averaging outer step (identity codec,
+    outer SGD lr 1, no momentum) the model is DDP inside's to float rounding."""
+    steps = 3 * h
+    sharded, same, trainer = _train_replicas(rank, "fsdp", h, steps)  # the default outer codec (QSGD 4-bit)
+    assert_all_ranks(same == [step % h == 0 for step in range(1, steps + 1)],
+                     f"FSDP inside: replicas identical after steps {same}, H={h}")
+    assert dist.get_process_group_ranks(trainer.process_group) == [rank % 2, rank % 2 + 2]
+    whole = sum(p.numel() for p in make_net().parameters())
+    assert_all_ranks(trainer.numel < whole and isinstance(next(iter(trainer.model.parameters())), DTensor),
+                     f"FSDP inside: the trainer syncs {trainer.numel} of {whole} elements, not its shard")
+    plain = {"codec": "none", "outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False}
+    fsdp, _, a = _train_replicas(rank, "fsdp", h, steps, **plain)
+    ddp, _, b = _train_replicas(rank, "ddp", h, steps, **plain)
+    assert_all_ranks(all(torch.allclose(f, d, rtol=1e-4, atol=1e-6) for f, d in zip(fsdp, ddp)),
+                     "FSDP inside a replica does not train the model DDP inside does")
+    sent = torch.tensor([a.stats()["bytes_sent"], b.stats()["bytes_sent"]], dtype=torch.float64)
+    dist.all_reduce(sent)  # a rank sends its shard, half the model: the four ranks half of what DDP inside sends
+    assert_all_ranks(abs(2 * sent[0] - sent[1]) <= 0.01 * sent[1], f"bytes sent, FSDP vs DDP inside (all ranks): {sent}")
+    # a shard synced over the wrong ranks is refused, naming the parameter (before any collective)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replica", "shard"))
+    for shard_over, group, error in [
+        (None, None, "'inp.weight' is sharded over ranks \\[0, 1, 2, 3\\].*pass replica_group="),  # all four
+        (mesh["shard"], mesh["replica"].get_group(), "but replica_group holds ranks"),  # the other dimension
+        (mesh, None, "2-D device mesh \\(HSDP"),
+    ]:
+        model = make_net()
+        fully_shard(model, **({} if shard_over is None else {"mesh": shard_over}))
+        with pytest.raises(ConfigurationError, match=error):
+            commpress.local.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), replica_group=group)
 
 
 def agree_within(model: torch.nn.Module, group: Any) -> bool:

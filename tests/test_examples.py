@@ -43,8 +43,8 @@ def run(cmd: list[str], timeout: float = 100.0) -> str:
     return out
 
 
-def torchrun(script: str, *args: str) -> str:
-    return run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--nnodes", "1",
+def torchrun(script: str, *args: str, nproc: int = 2) -> str:
+    return run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--nnodes", "1",
                 "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(EXAMPLES / script), *args])
 
 
@@ -78,6 +78,15 @@ def test_ddp_torchrun_trains_and_resumes(tmp_path: Path) -> None:
 def test_torchrun_example(script: str, args: list[str]) -> None:
     first, last = losses(torchrun(script, *args))
     assert last < first
+
+
+@pytest.mark.timeout(100)
+def test_local_sgd_example_fsdp_inside_replicas() -> None:
+    # 4 ranks as 2 replicas of 2, FSDP2 inside each: every rank syncs half the model
+    out = torchrun("local_sgd.py", "--steps", "8", "--sync-every", "4", "--replica-size", "2", nproc=4)
+    first, last = losses(out)
+    assert last < first
+    assert "replicas: 2 of 2 ranks (FSDP2 inside); this rank syncs 5509 of 11018 elements" in out, out[-2000:]
 
 
 @pytest.mark.timeout(100)

@@ -21,6 +21,14 @@ and the trainer syncs over that group: the outer traffic crosses replicas, the i
 the user's. Every position holds the same parameters as its replica's other positions, sends the
 same bytes and reads the same averages with the same seeds, so the replica stays identical.
 
+**FSDP2 inside a replica**: a replica may instead shard its parameters over its own ranks
+(``fully_shard(..., mesh=<the replica's 1-D mesh>)``, ``replica_group=`` that mesh's group). Then
+position ``i`` of every replica holds the same shard, and the trainer syncs this rank's local shards
+(:attr:`LocalSchedule.params`): each rank sends and keeps a global copy of ``1/L`` of the model, where
+DDP inside a replica sends and keeps all of it. :func:`check_replica_sharding` refuses what would sync
+the wrong tensors: sharded parameters without ``replica_group``, a mesh other than the replica's, HSDP's
+2-D mesh (it all-reduces across replicas every step itself).
+
 **A rank that dies or never arrives.** The fault channel turns a failure a rank *raises* into every
 rank's error; a rank that is killed, or hangs, raises nothing. So every sync also writes this
 rank's sync number into the process group's store (one ``set`` per sync, not per step), and
@@ -38,6 +46,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -58,6 +67,44 @@ VERIFY_TIMEOUT_S = 60.0
 SYNC_TIMEOUT_S = 300.0
 #: how often a blocked sync wait looks at the fault channel (a failure another rank posted)
 _WAIT_SLICE_S = 0.1
+
+
+def check_replica_sharding(names: Sequence[str], params: Sequence[torch.Tensor], replica_group: Any) -> None:
+    """FSDP2 parameters (DTensors) must live on a 1-D mesh of exactly ``replica_group``'s ranks.
+
+    Each rank then syncs its own shard with the same position of the other replicas (module
+    docstring); a parameter sharded over any other set of ranks would be averaged with a different
+    shard. ``ConfigurationError`` naming the parameter otherwise.
+    """
+    from torch.distributed.tensor import DTensor
+
+    replica = None if replica_group is None else sorted(dist.get_process_group_ranks(replica_group))
+    for name, p in zip(names, params):
+        if not isinstance(p, DTensor):
+            continue
+        mesh = p.device_mesh
+        ranks = sorted(int(r) for r in mesh.mesh.flatten().tolist())
+        if mesh.ndim != 1:
+            raise ConfigurationError(
+                f"parameter {name!r} lives on a {mesh.ndim}-D device mesh (HSDP: it all-reduces across replicas every "
+                "step): shard each replica over its own ranks, fully_shard(model, mesh=mesh['shard']), and pass "
+                "replica_group=mesh['shard'].get_group()")
+        if replica is None and len(ranks) > 1:
+            raise ConfigurationError(
+                f"parameter {name!r} is sharded over ranks {ranks} (FSDP2): pass replica_group= the group it is "
+                "sharded over (mesh.get_group()); each shard is then synced with the same shard of the other replicas")
+        if replica is not None and ranks != replica:
+            raise ConfigurationError(
+                f"parameter {name!r} is sharded over ranks {ranks}, but replica_group holds ranks {replica}: shard "
+                "each replica over exactly its own ranks")
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's tensor as this rank holds it: a DTensor's local shard (shares its storage), else itself."""
+    if hasattr(p, "to_local"):
+        with torch.no_grad():  # the shard itself, not an autograd view of it
+            return p.to_local()
+    return p
 
 
 def check_sync_every(sync_every: Any) -> int:
@@ -123,11 +170,12 @@ class LocalSchedule:
         self.sync_timeout_s = opts.check_timeout(sync_timeout, "sync_timeout")
         self.model = model
         self.optimizer = optimizer
-        self.names, self.params = self._trainable(model, optimizer)
+        self.names, self._params = self._trainable(model, optimizer)
+        opts.require_process_group()
+        check_replica_sharding(self.names, self._params, replica_group)
         self.numel = sum(p.numel() for p in self.params)
         self.dtype = self.params[0].dtype
         self.device = self.params[0].device
-        opts.require_process_group()
         self.replica_group = replica_group
         if replica_group is not None:
             if process_group is not None:
@@ -149,6 +197,15 @@ class LocalSchedule:
         self.syncs = 0  # syncs run by the schedule (checkpoints check it against the step)
         self.final_syncs = 0  # syncs run by finish(), of the steps the schedule had not synced
         self._handle: Any = None
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """The tensors synced, in :attr:`names` order: the trainable parameters, or their local shards (FSDP2).
+
+        Looked up at each use: FSDP2 may give a parameter a new local tensor (its lazy init, a
+        ``load_state_dict``), and the sync must write into the one the model reads.
+        """
+        return [_local(p) for p in self._params]
 
     @staticmethod
     def _trainable(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[list[str], list[torch.nn.Parameter]]:
@@ -324,4 +381,4 @@ class LocalSchedule:
                           what=self.what)
 
 
-__all__ = ["VERIFY_TIMEOUT_S", "LocalSchedule", "check_sync_every"]
+__all__ = ["VERIFY_TIMEOUT_S", "LocalSchedule", "check_replica_sharding", "check_sync_every"]

@@ -139,5 +139,10 @@ def test_replicas_of_two_ranks_agree_after_every_sync() -> None:
     w.launch(lw.worker_replicas, 4, "qsgd", 2, timeout=120)
 
 
+def test_fsdp_inside_replicas_syncs_shards() -> None:
+    # 4 gloo ranks: 2 replicas of 2, FSDP2 sharding each; agreement after syncs, equal to DDP inside
+    w.launch(lw.worker_fsdp_replicas, 4, 2, timeout=180)
+
+
 def test_auto_codec_picks_by_link_and_ranks_agree() -> None:
     w.launch(lw.worker_auto_codec, 2, timeout=180)
