@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 from pathlib import Path
@@ -489,8 +490,10 @@ def worker_replicas(rank: int, world: int, codec: str, h: int) -> None:
     del ddp
 
 
-def _train_replicas(rank: int, inside: str, h: int, steps: int, **diloco: Any) -> tuple[list[torch.Tensor], list[bool], Any]:
-    """4 ranks as 2 replicas of 2 (``inside``: "ddp" or "fsdp", sharded over the replica), DiLoCo across.
+def _train_replicas(rank: int, inside: str, h: int, steps: int, trainer_cls: Any = None,
+                    **diloco: Any) -> tuple[list[torch.Tensor], list[bool], Any]:
+    """4 ranks as 2 replicas of 2 (``inside``: "ddp" or "fsdp", sharded over the replica), DiLoCo
+    (or ``trainer_cls``, e.g. LocalSGD) across.
 
     Returns the full model after ``steps`` steps (gathered inside the replica), whether all four
     ranks held the same full model after each step, and the trainer.
@@ -513,8 +516,8 @@ def _train_replicas(rank: int, inside: str, h: int, steps: int, **diloco: Any) -
         return [p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone() for p in model.parameters()]
 
     same = []
-    with commpress.local.DiLoCo(model, opt, sync_every=h, min_numel=64, replica_group=inner.get_group(),
-                                **diloco) as trainer:
+    make = trainer_cls or functools.partial(commpress.local.DiLoCo, min_numel=64)
+    with make(model, opt, sync_every=h, replica_group=inner.get_group(), **diloco) as trainer:
         for step in range(1, steps + 1):
             x, y = batch(rank, step)  # every rank its own data; DDP / FSDP average inside the replica
             opt.zero_grad()
@@ -533,6 +536,9 @@ def worker_fsdp_replicas(rank: int, world: int, h: int) -> None:
     assert_all_ranks(same == [step % h == 0 for step in range(1, steps + 1)],
                      f"FSDP inside: replicas identical after steps {same}, H={h}")
     assert dist.get_process_group_ranks(trainer.process_group) == [rank % 2, rank % 2 + 2]
+    _, same, _ = _train_replicas(rank, "fsdp", h, steps, commpress.local.LocalSGD)
+    assert_all_ranks(same == [step % h == 0 for step in range(1, steps + 1)],
+                     f"LocalSGD, FSDP inside: replicas identical after steps {same}, H={h}")
     whole = sum(p.numel() for p in make_net().parameters())
     assert_all_ranks(trainer.numel < whole and isinstance(next(iter(trainer.model.parameters())), DTensor),
                      f"FSDP inside: the trainer syncs {trainer.numel} of {whole} elements, not its shard")
