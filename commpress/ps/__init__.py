@@ -4,6 +4,7 @@ Launch with ``mpirun -n N python -m commpress.ps [options]`` (``--help`` lists t
 
     mpirun -n 4 python -m commpress.ps --demo digits --servers 1 --codec topk:ratio=0.05
     mpirun -n 4 python -m commpress.ps --demo bytelm --servers 2 --mode ssp --codec qsgd:bits=8 --steps 300
+    mpirun -n 3 python -m commpress.ps --demo digits --local-steps 10 --steps 30 --codec qsgd:bits=4  # DiLoCo: outer-step servers
 
 (as root, add ``--oversubscribe`` and ``OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1``).
 From Python, on every rank::

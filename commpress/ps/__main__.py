@@ -4,6 +4,7 @@ Examples (the first ``--servers`` ranks serve, the others train)::
 
     mpirun -n 4 python -m commpress.ps --demo digits --servers 1 --codec topk:ratio=0.05
     mpirun -n 4 python -m commpress.ps --demo bytelm --servers 2 --mode ssp --staleness 2 --codec qsgd:bits=8
+    mpirun -n 3 python -m commpress.ps --demo digits --local-steps 10 --steps 30 --codec qsgd:bits=4  # DiLoCo: outer-step servers
 
 Exit codes: 0 done; 2 bad options or checkpoint; 3 a worker timed out in sync mode; 4 a
 worker got no reply from a server; 5 a dropped worker never exited (training completed);
@@ -68,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "count it and name its worker (default 1e3; 0: off)")
     g.add_argument("--resync-every", type=int, default=0, help="send dense parameters every N replies (0: off)")
     g.add_argument("--timeout", type=float, default=30.0, help="seconds before a silent worker counts as gone (30)")
+    g.add_argument("--local-steps", type=int, default=0, metavar="H",
+                   help="DiLoCo outer-step servers: each step a worker takes H steps of its optimizer and pushes "
+                        "the pseudo-gradient; --steps then counts syncs (default 0: push gradients)")
+    g.add_argument("--outer-lr", type=float, default=1.0, help="with --local-steps: the servers' SGD lr (default 1)")
+    g.add_argument("--outer-momentum", type=float, default=0.0, help="with --local-steps: its momentum (default 0)")
+    g.add_argument("--outer-nesterov", action="store_true", help="with --local-steps: Nesterov momentum")
     g.add_argument("--cuda-aware", choices=("auto", "yes", "no"), default="auto",
                    help="hand MPI device buffers via CuPy (auto: when MPI reports CUDA support)")
     g = p.add_argument_group("checkpoints and output")
@@ -97,6 +104,8 @@ def config_from(args: argparse.Namespace) -> PSConfig:
         checkpoint=args.checkpoint, checkpoint_every=args.checkpoint_every, resume=args.resume, seed=args.seed,
         progress=not args.no_progress, log_dir=args.log_dir, device=args.device, cuda_aware=args.cuda_aware,
         faults=tuple(parse_fault(f) for f in args.fault), preemption=not args.no_preemption,
+        local_steps=args.local_steps, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
+        outer_nesterov=args.outer_nesterov,
     )
     cfg.validate()
     return cfg
@@ -118,6 +127,7 @@ def summary(result: Any, cfg: PSConfig, workers: int) -> dict[str, Any]:
         "servers": cfg.servers,
         "workers": workers,
         "steps": result.steps_done,
+        "local_steps": cfg.local_steps,
         "seconds": round(result.seconds, 3),
         "params": result.layout.numel,
         "metrics": result.metrics,
@@ -191,7 +201,8 @@ def format_summary(r: dict[str, Any]) -> str:
     metrics = ", ".join(f"{k}={v:.4g}" for k, v in r["metrics"].items())
     lines = [
         f"commpress.ps: {r['mode']} | {r['servers']} server(s), {r['workers']} worker(s) | codec {r['codec']} "
-        f"(pull {r['pull_codec']}) | {r['params']} params | {r['steps']} steps in {r['seconds']:.1f} s",
+        f"(pull {r['pull_codec']}) | {r['params']} params | {r['steps']} steps in {r['seconds']:.1f} s"
+        + (f" (syncs of {r['local_steps']} local steps each)" if r.get("local_steps") else ""),
         f"  final: {metrics}",
         f"  bytes/step/worker: push {r['push_bytes_per_step_per_worker']:.0f}, pull "
         f"{r['pull_bytes_per_step_per_worker']:.0f} (dense {r['dense_bytes_per_step_per_worker']})",

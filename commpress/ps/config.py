@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from .. import codecs
 from ..codecs import Codec
@@ -78,6 +81,15 @@ class PSConfig:
         preemption: turn SIGTERM on any rank into a stop of every rank at one step, with a
             checkpoint there when ``checkpoint`` is set (:mod:`commpress.ps.preempt`); False
             leaves SIGTERM's default (the rank dies).
+        local_steps: 0 (default): workers push a gradient every step. ``H >= 1``: the servers
+            become DiLoCo's outer-step servers: each step, a worker takes ``H`` inner steps of
+            the task's optimizer (on batches ``H*t .. H*t + H - 1``) and pushes the pseudo-gradient
+            (its parameters at the step's start minus where the ``H`` steps ended), compressed
+            like any push; the servers apply the outer optimizer to it. ``steps`` then counts
+            syncs, each of ``H`` inner steps.
+        outer_lr, outer_momentum, outer_nesterov: the servers' outer optimizer with
+            ``local_steps``: ``SGD(lr, momentum, nesterov)``; the defaults (lr 1, no momentum)
+            make a sync step the workers' average, as ``commpress.local.DiLoCo``'s defaults do.
     """
 
     servers: int = 1
@@ -102,6 +114,10 @@ class PSConfig:
     cuda_aware: str = "auto"
     faults: tuple[Any, ...] = field(default_factory=tuple)
     preemption: bool = True
+    local_steps: int = 0
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.0
+    outer_nesterov: bool = False
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first bad option."""
@@ -134,8 +150,23 @@ class PSConfig:
             raise ConfigError(f"seed must be an int in [0, 2**32), got {self.seed!r}")
         if not isinstance(self.min_compress, int) or self.min_compress < 1:
             raise ConfigError(f"min_compress must be an int >= 1, got {self.min_compress!r}")
+        if not isinstance(self.local_steps, int) or isinstance(self.local_steps, bool) or self.local_steps < 0:
+            raise ConfigError(f"local_steps must be an int >= 0 (0: push gradients), got {self.local_steps!r}")
+        for name in ("outer_lr", "outer_momentum"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
+        if not self.outer_momentum < 1:
+            raise ConfigError(f"outer_momentum must be in [0, 1), got {self.outer_momentum!r}")
+        if not isinstance(self.outer_nesterov, bool) or (self.outer_nesterov and self.outer_momentum == 0):
+            raise ConfigError(f"outer_nesterov must be a bool, and True needs outer_momentum > 0, got {self.outer_nesterov!r}")
         self.push_codec()
         self.reply_codec()
+
+    def outer_optimizer(self) -> Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]:
+        """The servers' optimizer with ``local_steps``: SGD on the workers' averaged pseudo-gradients."""
+        lr, momentum, nesterov = float(self.outer_lr), float(self.outer_momentum), self.outer_nesterov
+        return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=nesterov)
 
     def push_codec(self) -> Codec:
         """The codec workers push with."""
@@ -146,10 +177,16 @@ class PSConfig:
 
         ``same`` means the push codec, except random-k: as a pull codec its drift exceeds any
         useful ``max_drift`` almost every step (measured on digits: 400 of 400 replies resynced
-        for scaled, 314 of 400 for unscaled), so ``same`` sends dense parameters instead.
+        for scaled, 314 of 400 for unscaled), so ``same`` sends dense parameters instead. With
+        ``local_steps`` a reply carries a whole outer step, and a 4-bit or sparse one drifts past
+        ``max_drift`` at every sync (digits, H = 10, 30 syncs: QSGD 4-bit and top-k 5% 30 of 30
+        resynced, dense bytes every time; 8-bit 3 of 30), so ``same`` means 8-bit QSGD there
+        (a 16-bit push codec stays itself).
         """
         if isinstance(self.pull_codec, str) and self.pull_codec == "same":
             push = self.push_codec()
+            if self.local_steps and push.name not in ("none", "fp16", "bf16"):
+                return codecs.get("qsgd", bits=8)
             return codecs.get("none") if push.name == "randomk" else push
         return parse_codec(self.pull_codec)
 
@@ -172,4 +209,7 @@ class PSConfig:
             "max_drift": self.max_drift,
             "resync_every": self.resync_every,
             "seed": self.seed,
+            # only when set: the fingerprints of gradient-pushing runs (and their checkpoints) stay as they were
+            **({"local_steps": self.local_steps, "outer": [float(self.outer_lr), float(self.outer_momentum),
+                                                          self.outer_nesterov]} if self.local_steps else {}),
         }

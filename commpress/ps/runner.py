@@ -8,6 +8,7 @@ roles, checkpoints and results are here; every MPI loop is in :mod:`.mpi_loop`.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import sys
@@ -226,7 +227,9 @@ def _serve(task: Task, cfg: PSConfig, comm: Any, layout: Layout, model: torch.nn
     log = EventLog(cfg.log_dir, s)
     # workers that hand MPI device buffers cannot checksum them; every other push must carry a CRC
     device_buffers = torch.device(cfg.device).type == "cuda" and cuda_aware(cfg.cuda_aware)
-    server = ShardServer(layout, s, cfg, W, flat[shard.start : shard.stop], task.optimizer,
+    # local_steps: the task's optimizer runs the workers' inner steps, the servers the outer one
+    optimizer = cfg.outer_optimizer() if cfg.local_steps else task.optimizer
+    server = ShardServer(layout, s, cfg, W, flat[shard.start : shard.stop], optimizer,
                          fingerprint=fp, log=log, require_crc=not device_buffers)
     if resume_step is not None and cfg.checkpoint:
         server.load_state_dict(checkpoint.load(cfg.checkpoint, comm.Get_rank(), resume_step, like=server.state_dict()))
@@ -285,7 +288,8 @@ def _work(task: Task, cfg: PSConfig, comm: Any, layout: Layout, model: torch.nn.
         torch.cuda.set_device(device.index if device.index is not None else w % max(torch.cuda.device_count(), 1))
     model = model.to(device)
     device_buffers = device.type == "cuda" and cuda_aware(cfg.cuda_aware)
-    node = WorkerNode(layout, w, cfg, model, fingerprint=fp, checksum=not device_buffers)
+    node = WorkerNode(layout, w, cfg, model, fingerprint=fp, checksum=not device_buffers,
+                      inner_optimizer=task.optimizer if cfg.local_steps else None)
     start = 0
     if resume_step is not None and cfg.checkpoint:
         node.load_state_dict(checkpoint.load(cfg.checkpoint, comm.Get_rank(), resume_step, like=node.state_dict()))
@@ -320,12 +324,17 @@ def finish(result: RunResult, comm: Any = None) -> None:
         mpi_loop.abort(comm or mpi_loop.world(), EXIT_ABANDONED)
 
 
-def reference_train(task: Task, workers: int, steps: int, seed: int = 0) -> torch.Tensor:
+def reference_train(task: Task, workers: int, steps: int, seed: int = 0, config: PSConfig | None = None) -> torch.Tensor:
     """Single-process training on the union of the workers' batches; returns the flat parameters.
 
     Uses ``task.merge`` to join batches when given, else averages the workers' losses (the
-    same thing for equal batch sizes). Sync mode with codec ``none`` reproduces this.
+    same thing for equal batch sizes). Sync mode with codec ``none`` reproduces this. With a
+    ``config`` of ``local_steps`` H: DiLoCo in one process (every worker's H inner steps from the
+    same parameters, the outer optimizer on the mean of their pseudo-gradients), which sync mode
+    with codec ``none`` reproduces.
     """
+    if config is not None and config.local_steps:
+        return _reference_local(task, workers, steps, seed, config)
     torch.manual_seed(seed)
     model = task.model()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -340,6 +349,36 @@ def reference_train(task: Task, workers: int, steps: int, seed: int = 0) -> torc
         loss.backward()
         opt.step()
     return torch.cat([p.detach().reshape(-1) for p in params])
+
+
+def _reference_local(task: Task, workers: int, steps: int, seed: int, cfg: PSConfig) -> torch.Tensor:
+    """:func:`reference_train` with ``local_steps``: the workers' inner optimizers keep their state across syncs."""
+    torch.manual_seed(seed)
+    models = [task.model()]
+    models += [copy.deepcopy(models[0]) for _ in range(workers - 1)]
+    inner = [task.optimizer([p for p in m.parameters() if p.requires_grad]) for m in models]
+    x = torch.nn.Parameter(flat_of(models[0]))
+    outer = cfg.outer_optimizer()([x])
+    H = cfg.local_steps
+    for t in range(steps):
+        deltas = []
+        for w, (model, opt) in enumerate(zip(models, inner)):
+            with torch.no_grad():
+                off = 0
+                for q in (q for q in model.parameters() if q.requires_grad):
+                    q.copy_(x[off : off + q.numel()].view_as(q))
+                    off += q.numel()
+            for i in range(H):
+                opt.zero_grad(set_to_none=True)
+                task.loss(model, task.batch(w, workers, H * t + i)).backward()
+                opt.step()
+            deltas.append(x.detach() - flat_of(model))
+        total = deltas[0].clone()
+        for d in deltas[1:]:
+            total.add_(d)  # in worker order, as the servers sum
+        x.grad = total.div_(workers)
+        outer.step()
+    return x.detach().clone()
 
 
 def flat_of(model: torch.nn.Module) -> torch.Tensor:

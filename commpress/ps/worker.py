@@ -7,7 +7,9 @@ into parameter changes. :class:`WorkerRun` is the worker's step sequence as a st
 (join, push and wait, final pull, goodbye); :func:`commpress.ps.mpi_loop.work` only moves its
 bytes, so serial tests drive workers and servers together without MPI.
 
-Per step t: ``g = grad(loss(model, batch(w, t)))``; for each shard, each segment is encoded
+Per step t: ``g = grad(loss(model, batch(w, t)))`` (with ``local_steps`` H: ``g = x_t - x'``, where
+``x'`` is where H steps of the task's optimizer from ``x_t`` on batches ``H*t .. H*t + H - 1`` end: DiLoCo's
+pseudo-gradient, after which the copy returns to ``x_t`` to take the servers' reply); for each shard, each segment is encoded
 (compressed segments through error feedback, ``c = g + e``, ``e = c - decode(C(c))``; the
 others dense) with the seed ``segment_seed(seed, PUSH_SEED, t, w, shard, segment)`` the server
 checks; one message per shard goes out; then the worker waits for every server's reply
@@ -51,6 +53,8 @@ class WorkerNode:
         model: the worker's model; its parameters become views of :attr:`flat`.
         fingerprint: presented to every server in the first PULL.
         checksum: put a CRC-32 of the payload into pushes (False for device buffers).
+        inner_optimizer: with ``config.local_steps``, builds the optimizer of the worker's inner
+            steps over the model's parameters (the task's optimizer); kept for the whole run.
     """
 
     def __init__(
@@ -62,6 +66,7 @@ class WorkerNode:
         *,
         fingerprint: int = 0,
         checksum: bool = True,
+        inner_optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
     ) -> None:
         self.layout, self.worker, self.cfg = layout, worker, config
         self.fingerprint = fingerprint
@@ -79,6 +84,11 @@ class WorkerNode:
         self.skipped_steps = 0
         self.push_bytes = 0
         self.reply_bytes = 0
+        self.inner: torch.optim.Optimizer | None = None
+        if config.local_steps:
+            if inner_optimizer is None:
+                raise ConfigError("local_steps needs the workers' inner optimizer (the task's optimizer)")
+            self.inner = inner_optimizer(self.params)
 
     def max_reply(self) -> int:
         """Largest valid message a server can send this worker (the receive limit)."""
@@ -100,6 +110,26 @@ class WorkerNode:
         loss.backward()
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         return float(loss.detach()), self.layout.flatten(grads)
+
+    def local_round(self, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], batches: Sequence[Any]) -> tuple[float, torch.Tensor]:
+        """``local_steps``: the inner steps on ``batches``; their mean loss and the pseudo-gradient (flat).
+
+        The pseudo-gradient is the parameters before the steps minus after them; the parameters
+        then return to where they started (the servers' replica, which the reply moves on).
+        """
+        assert self.inner is not None, "local_round needs local_steps"
+        start = self.flat.detach().clone()
+        total = 0.0
+        for batch in batches:
+            self.inner.zero_grad(set_to_none=True)
+            loss = loss_fn(self.model, batch)
+            loss.backward()
+            self.inner.step()
+            total += float(loss.detach())
+        with torch.no_grad():
+            delta = start - self.flat
+            self.flat.copy_(start)
+        return total / max(len(batches), 1), delta
 
     def push(self, step: int, grad: torch.Tensor, loss: float = 0.0) -> list[tuple[int, torch.Tensor]]:
         """PUSH messages (one per server) carrying ``grad`` (flat) for ``step``.
@@ -150,6 +180,7 @@ class WorkerNode:
             "fingerprint": self.fingerprint,
             "ef": None if self.ef is None else self.ef.state_dict(),
             "skipped_steps": self.skipped_steps,
+            "inner": None if self.inner is None else self.inner.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -165,6 +196,11 @@ class WorkerNode:
             # residuals live on the worker's device
             self.ef.load_state_dict({**ef, "residuals": {
                 k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in ef["residuals"].items()}})
+        if self.inner is not None:
+            inner = state.get("inner")
+            if not isinstance(inner, dict):
+                raise ConfigError("checkpoint has no inner optimizer state (local_steps)")
+            self.inner.load_state_dict(inner)
         self.skipped_steps = int(state.get("skipped_steps", 0))
 
 
@@ -260,7 +296,11 @@ class WorkerRun:
         if step < self.end:
             if self.save is not None and cfg.checkpoint_every and step > self.start and step % cfg.checkpoint_every == 0:
                 self.save(step, node.state_dict())
-            value, grad = node.compute(self.loss, self.batch(node.worker, self.W, step))
+            H = cfg.local_steps
+            if H:
+                value, grad = node.local_round(self.loss, [self.batch(node.worker, self.W, H * step + i) for i in range(H)])
+            else:
+                value, grad = node.compute(self.loss, self.batch(node.worker, self.W, step))
             pushes = node.push(step, grad, value)
             raw: Out = []
             try:

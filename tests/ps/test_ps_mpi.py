@@ -71,6 +71,24 @@ def test_sync_none_equals_single_process_and_rejects_hostile_messages(tmp_path):
     torch.testing.assert_close(final, ref, rtol=1e-5, atol=1e-6)
 
 
+def test_local_steps_make_outer_step_servers(tmp_path):
+    # DiLoCo over the parameter server: H=5 inner steps per sync, Nesterov outer SGD on 2 server shards
+    from commpress.ps import PSConfig
+
+    outer = ["--local-steps", "5", "--outer-lr", "0.7", "--outer-momentum", "0.9", "--outer-nesterov"]
+    out = tmp_path / "final.pt"
+    rep = report(ps(3, "--servers", "2", "--steps", "8", "--out", str(out), *outer))
+    assert rep["local_steps"] == 5 and rep["steps"] == 8
+    cfg = PSConfig(servers=2, steps=8, local_steps=5, outer_lr=0.7, outer_momentum=0.9, outer_nesterov=True)
+    ref = reference_train(digits_task(), workers=1, steps=8, config=cfg)
+    torch.testing.assert_close(torch.load(out, weights_only=True)["params"], ref, rtol=1e-5, atol=1e-6)
+    # compressed pseudo-gradients (4-bit QSGD with error feedback), the 8-bit pull local_steps takes for "same"
+    rep = report(ps(3, "--local-steps", "10", "--steps", "30", "--codec", "qsgd:bits=4"))
+    assert rep["pull_codec"].startswith("qsgd:bits=8") and rep["resyncs"] <= 3, rep
+    assert rep["push_bytes_per_step_per_worker"] < rep["dense_bytes_per_step_per_worker"] / 6, rep
+    assert rep["metrics"]["test_accuracy"] > 95.0, rep
+
+
 def test_checkpoint_resume_equals_uninterrupted_run(tmp_path):
     ck = tmp_path / "ck"
     common = ["--servers", "2", "--codec", "topk:ratio=0.1", "--pull-codec", "sign", "--max-drift", "0.05",

@@ -45,15 +45,17 @@ class Cluster:
         self.fp = fingerprint(self.layout.describe(), cfg.describe(), workers)
         flat = self.layout.flatten(model.parameters())
         self.events = []
+        optimizer = cfg.outer_optimizer() if cfg.local_steps else self.task.optimizer  # as runner._serve
         self.servers = [
-            ShardServer(self.layout, s, cfg, workers, flat[sh.start : sh.stop], self.task.optimizer,
+            ShardServer(self.layout, s, cfg, workers, flat[sh.start : sh.stop], optimizer,
                         fingerprint=self.fp, now=self.clock, log=self.events.append)
             for s, sh in enumerate(self.layout.shards)
         ]
         self.nodes = []
         for w in range(workers):
             torch.manual_seed(cfg.seed)
-            self.nodes.append(WorkerNode(self.layout, w, cfg, self.task.model(), fingerprint=self.fp))
+            self.nodes.append(WorkerNode(self.layout, w, cfg, self.task.model(), fingerprint=self.fp,
+                                         inner_optimizer=self.task.optimizer if cfg.local_steps else None))
         self.queue = {w: [] for w in range(workers)}
 
     def send(self, w, msgs):
@@ -75,8 +77,11 @@ class Cluster:
             assert self.deliver(w, step) == [None] * self.S
 
     def push(self, w, t):
-        node = self.nodes[w]
-        loss, grad = node.compute(self.task.loss, self.task.batch(w, self.W, t))
+        node, H = self.nodes[w], self.cfg.local_steps
+        if H:  # DiLoCo's outer-step servers: H inner steps, then the pseudo-gradient
+            loss, grad = node.local_round(self.task.loss, [self.task.batch(w, self.W, H * t + i) for i in range(H)])
+        else:
+            loss, grad = node.compute(self.task.loss, self.task.batch(w, self.W, t))
         msgs = node.push(t, grad, loss)
         self.send(w, msgs)
         return msgs
@@ -111,6 +116,34 @@ def test_sync_none_equals_single_process_training_on_the_union(optimizer):
     torch.testing.assert_close(c.params(), ref, rtol=1e-5, atol=1e-6)
     for node in c.nodes:  # pull codec none: workers hold the server's parameters exactly
         assert torch.equal(node.flat, c.params())
+
+
+@pytest.mark.parametrize("optimizer, outer", [("sgd", {}), ("adam", {}),
+                                              ("adam", {"outer_lr": 0.7, "outer_momentum": 0.9, "outer_nesterov": True})])
+def test_local_steps_sync_none_equals_single_process_diloco(optimizer, outer):
+    # DiLoCo's outer-step servers: H=3 inner steps of the task's optimizer per sync, the outer SGD on the mean
+    cfg = _cfg(codec="none", steps=4, local_steps=3, **outer)
+    c = Cluster(cfg, workers=3, task=digits_task(hidden=32, optimizer=optimizer))
+    c.start()
+    for t in range(cfg.steps):
+        c.sync_step(t)
+    ref = reference_train(c.task, 3, cfg.steps, seed=cfg.seed, config=cfg)
+    torch.testing.assert_close(c.params(), ref, rtol=1e-5, atol=1e-6)
+    plain = reference_train(c.task, 3, cfg.steps * cfg.local_steps, seed=cfg.seed)  # per-step data parallel
+    assert not torch.allclose(ref, plain, rtol=1e-3, atol=1e-4)  # the local steps are not a no-op
+    for node in c.nodes:
+        assert torch.equal(node.flat, c.params())
+        assert node.inner is not None and node.inner.state  # the inner optimizer keeps its state across syncs
+
+
+def test_local_steps_options_are_checked():
+    for bad, match in [({"local_steps": -1}, "local_steps"), ({"local_steps": 2, "outer_lr": float("nan")}, "outer_lr"),
+                       ({"local_steps": 2, "outer_momentum": 1.0}, "outer_momentum"),
+                       ({"local_steps": 2, "outer_nesterov": True}, "outer_nesterov")]:
+        with pytest.raises(ConfigError, match=match):
+            _cfg(**bad)
+    # a gradient-pushing run's fingerprint does not move with the (unused) outer options
+    assert _cfg().describe() == _cfg(outer_lr=0.5).describe() != _cfg(local_steps=2).describe()
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -372,8 +405,10 @@ def test_ssp_never_lets_a_worker_lead_by_more_than_k():
     assert max(leads) == K  # the bound was reached, so it was actually enforced
 
 
-def test_server_state_roundtrip_continues_identically(tmp_path):
-    cfg = _cfg(codec="topk:ratio=0.1", pull_codec="sign", max_drift=0.05)
+@pytest.mark.parametrize("local_steps", [0, 2])
+def test_server_state_roundtrip_continues_identically(tmp_path, local_steps):
+    # local_steps: the workers' inner optimizer (SGD momentum here) is in their checkpoints too
+    cfg = _cfg(codec="topk:ratio=0.1", pull_codec="sign", max_drift=0.05, local_steps=local_steps)
     a = Cluster(cfg)
     a.start()
     for t in range(4):
@@ -515,9 +550,9 @@ def _drive(c, runs):
     return rejected
 
 
-@pytest.mark.parametrize("mode", ["sync", "async", "ssp"])
-def test_worker_runs_and_servers_train_together_without_mpi(mode):
-    cfg = _cfg(codec="topk:ratio=0.1", mode=mode, steps=6, staleness=1, checkpoint_every=4)
+@pytest.mark.parametrize("mode, local_steps", [("sync", 0), ("async", 0), ("ssp", 0), ("sync", 2), ("ssp", 2)])
+def test_worker_runs_and_servers_train_together_without_mpi(mode, local_steps):
+    cfg = _cfg(codec="topk:ratio=0.1", mode=mode, steps=6, staleness=1, checkpoint_every=4, local_steps=local_steps)
     by_hand = Cluster(cfg)  # the same run, messages passed by hand
     by_hand.start()
     for t in range(cfg.steps):
