@@ -115,7 +115,10 @@ class WorkerNode:
         """``local_steps``: the inner steps on ``batches``; their mean loss and the pseudo-gradient (flat).
 
         The pseudo-gradient is the parameters before the steps minus after them; the parameters
-        then return to where they started (the servers' replica, which the reply moves on).
+        then return to where they started (the servers' replica, which the reply moves on). A
+        non-finite one (a NaN or Inf loss or gradient in the round) is pushed as a skip by
+        :meth:`push`; the inner optimizer's state, which then holds the NaN, is cleared here so the
+        next round starts clean (its momenta restart from zero).
         """
         assert self.inner is not None, "local_round needs local_steps"
         start = self.flat.detach().clone()
@@ -129,6 +132,9 @@ class WorkerNode:
         with torch.no_grad():
             delta = start - self.flat
             self.flat.copy_(start)
+        if not all_finite(delta):
+            self.inner.state.clear()
+            logger.warning("[commpress.ps worker %d] non-finite local round: inner optimizer state cleared", self.worker)
         return total / max(len(batches), 1), delta
 
     def push(self, step: int, grad: torch.Tensor, loss: float = 0.0) -> list[tuple[int, torch.Tensor]]:

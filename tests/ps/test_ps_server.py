@@ -314,6 +314,27 @@ def test_a_nan_loss_does_not_kill_a_sync_run():
         build(MsgType.PUSH, shard=0, worker=0, step=0, value=float("nan"))
 
 
+def test_local_steps_non_finite_round_is_skipped_and_the_inner_state_cleared():
+    cfg = _cfg(codec="qsgd:bits=4", servers=1, local_steps=3, steps=3)
+    c = Cluster(cfg, task=digits_task(hidden=32, optimizer="adam"))
+    c.start()
+    c.sync_step(0)
+    node, task = c.nodes[0], c.task
+    poisoned = task.batch(0, 2, 3)
+    poisoned = (poisoned[0].clone().fill_(float("nan")), *poisoned[1:])  # the round's first batch
+    _, delta = node.local_round(task.loss, [poisoned, task.batch(0, 2, 4), task.batch(0, 2, 5)])
+    assert not torch.isfinite(delta).all() and not node.inner.state  # the NaN moments are gone
+    assert torch.isfinite(node.flat).all()  # back at the replica
+    c.send(0, node.push(1, delta, float("nan")))
+    c.push(1, 1)
+    c.deliver(0, 1)
+    c.deliver(1, 1)
+    assert c.servers[0].stats.skipped_pushes == 1 and c.servers[0].step == 2
+    c.sync_step(2)  # the next round trains again from the servers' parameters
+    assert c.servers[0].stats.skipped_pushes == 1 and torch.isfinite(c.params()).all()
+    assert all(torch.isfinite(v).all() for st in node.inner.state.values() for v in st.values())
+
+
 def test_non_finite_gradient_is_skipped_and_averaged_out():
     cfg = _cfg(codec="topk:ratio=0.1", servers=1)
     c = Cluster(cfg)
