@@ -14,6 +14,9 @@ tables into docs/benchmarks.md (between the fsdp-lm markers) and a loss-vs-time 
 
 Methods (``--methods``, ``;``-separated): ``fp32`` (FSDP2 as is), ``bf16`` (FSDP2 with
 ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``, the built-in policy), and
+``diloco[:k=v,...][@mp=bf16]`` (FSDP2 over each node's ranks, ``commpress.local.DiLoCo(model, opt,
+replica_group=<the node's group>, k=v, ...)`` across the nodes: dense inside, the outer sync across; its
+held-out points are the global copy's, at the steps a sync merged), and
 ``cp-<codec>[:k=v,...][@option=value,...]`` for ``commpress.fsdp.register(model, codec,
 optimizer=opt, ...)`` where the options after ``@`` are ``mp=bf16`` (the bf16 policy
 underneath), ``param=<codec>`` or ``param=<forward>/<backward>`` (``param_codec=``; ``param=none``:
@@ -143,6 +146,12 @@ def run_method(method: str, args: argparse.Namespace, text: Any, heldout: tuple[
     if method in ("fp32", "bf16", "hsdp-fp32", "hsdp-bf16"):
         shard_model(model, "bf16" if method.endswith("bf16") else None, "hsdp" if method.startswith("hsdp") else None)
         codec, options = None, {}
+    elif method.startswith("diloco"):  # FSDP2 inside each node, DiLoCo across the nodes (replicas)
+        _, diloco_params, options = parse_method("cp-" + method)
+        shard_model(model, options.pop("mp", None), "node")
+        codec = None
+        if options:
+            raise SystemExit(f"{method}: unknown option(s) {sorted(options)} (mp=bf16 only)")
     elif method.startswith("cp-"):
         codec, params, options = parse_method(method)
         shard_model(model, options.pop("mp", None), options.pop("mesh", None))
@@ -167,16 +176,36 @@ def run_method(method: str, args: argparse.Namespace, text: Any, heldout: tuple[
         handed = None if str(options.pop("optimizer", "")).lower() == "none" else opt
         state = commpress.fsdp.register(model, codec, optimizer=handed, **params, **options,
                                         **({"param_codec": param} if param is not DEFAULT else {}))
-    bf16 = method.endswith("bf16") or (method.startswith("cp-") and "mp=bf16" in method)
-    fsdp_ag, fsdp_rs = fsdp_wire(model, world, 2 if bf16 else 4, 2 if bf16 else 4)
+    trainer = None
+    if method.startswith("diloco"):
+        import commpress.local
+
+        inside = next(iter(model.parameters())).device_mesh.get_group()  # type: ignore[attr-defined]
+        trainer = commpress.local.DiLoCo(model, opt, replica_group=inside, **diloco_params)
+        trainer.__enter__()
+    bf16 = method.endswith("bf16") or (method.startswith(("cp-", "diloco")) and "mp=bf16" in method)
+    sharded_over = world if trainer is None else dist.get_world_size(trainer.replica_group)
+    fsdp_ag, fsdp_rs = fsdp_wire(model, sharded_over, 2 if bf16 else 4, 2 if bf16 else 4)
     x_ho, y_ho = heldout[0][rank::world], heldout[1][rank::world]
 
     def evaluate() -> float:
         with torch.no_grad():
+            replica = None
+            if trainer is not None and trainer.step < args.steps:  # DiLoCo: the global copy, not the replica
+                replica = trainer.flat_params()
+                trainer.set_params(torch.cat([g.reshape(-1) for g in trainer.global_params]))
             total = torch.tensor([float(lm_loss(model, x_ho, y_ho)) * y_ho.numel(), float(y_ho.numel())],
                                  dtype=torch.float64)
+            if replica is not None:
+                trainer.set_params(replica)
         dist.all_reduce(total)
         return float(total[0] / total[1])
+
+    def synced_at(done: int) -> bool:  # DiLoCo's global copy changed at this step (a merge)
+        if trainer is None:
+            return True
+        since = done - trainer.overlap
+        return since >= trainer.interval and since % trainer.interval == 0
 
     def wire() -> tuple[float, float]:
         if state is None:
@@ -191,6 +220,7 @@ def run_method(method: str, args: argparse.Namespace, text: Any, heldout: tuple[
     warm = min(2, args.steps - 1)
     tx0, w0 = tx_bytes(), wire()
     eval_every = max(1, args.steps // args.points)
+    due = eval_every
     for step in range(args.steps):
         if step == warm:
             tx0, w0 = tx_bytes(), wire()
@@ -200,11 +230,15 @@ def run_method(method: str, args: argparse.Namespace, text: Any, heldout: tuple[
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        if trainer is not None and step == args.steps - 1:
+            trainer.finish()  # merge the sync in flight, sync the last steps, load the global copy (timed)
+            trainer.__exit__(None, None, None)
         dt = time.perf_counter() - t0
         train_s += dt
         if step >= warm:
             step_s.append(dt)
-        if step % eval_every == eval_every - 1 or step == args.steps - 1:
+        if (step + 1 >= due and synced_at(step + 1)) or step == args.steps - 1:
+            due = ((step + 1) // eval_every + 1) * eval_every
             before = wire()
             tx_e = tx_bytes()
             value = evaluate()
@@ -219,7 +253,13 @@ def run_method(method: str, args: argparse.Namespace, text: Any, heldout: tuple[
     timed = max(args.steps - warm, 1)
     tx1, w1 = tx_bytes(), wire()
     measured = None if tx0 is None or tx1 is None else (tx1 - tx0) / timed
-    if state is None:
+    if trainer is not None:  # FSDP's own traffic inside the node, plus DiLoCo's outer bytes (per step) across
+        ag, rs = fsdp_ag, fsdp_rs + trainer.stats()["bytes_sent"] / args.steps
+        # DiLoCo's state on this rank: the global copy, its outer gradient and the working delta (each of the
+        # synced shard's size: docs/local.md), plus the outer optimizer's (none at the default plain SGD)
+        cstate = 3 * tensor_bytes(trainer.global_params) + tensor_bytes(
+            v for st in trainer.outer_optimizer.state.values() for v in st.values())
+    elif state is None:
         ag, rs = fsdp_ag, fsdp_rs
         cstate = 0
     else:
@@ -239,7 +279,8 @@ def run_method(method: str, args: argparse.Namespace, text: Any, heldout: tuple[
         "measured_tx": [g["measured_tx"] for g in gathered],  # type: ignore[index]
         "param_shard_bytes": param_shard, "grad_shard_bytes": grad_shard, "optimizer_bytes": opt_state,
         "compression_bytes": max(g["cstate"] for g in gathered),  # type: ignore[index]
-        "stats": {} if state is None else {k: v for k, v in state.stats().items() if isinstance(v, (int, float))},
+        "stats": ({k: v for k, v in trainer.stats().items() if isinstance(v, (int, float))} if trainer is not None
+                  else {} if state is None else {k: v for k, v in state.stats().items() if isinstance(v, (int, float))}),
         "auto": [] if state is None else [[row["module"], row["reduce_scatter"], row["all_gather"]]
                                           for row in state.auto_report()],
     }
