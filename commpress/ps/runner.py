@@ -357,17 +357,14 @@ def _reference_local(task: Task, workers: int, steps: int, seed: int, cfg: PSCon
     models = [task.model()]
     models += [copy.deepcopy(models[0]) for _ in range(workers - 1)]
     inner = [task.optimizer([p for p in m.parameters() if p.requires_grad]) for m in models]
+    layout = Layout.from_model(models[0], cfg.servers, cfg.min_compress)
     x = torch.nn.Parameter(flat_of(models[0]))
     outer = cfg.outer_optimizer()([x])
     H = cfg.local_steps
     for t in range(steps):
         deltas = []
         for w, (model, opt) in enumerate(zip(models, inner)):
-            with torch.no_grad():
-                off = 0
-                for q in (q for q in model.parameters() if q.requires_grad):
-                    q.copy_(x[off : off + q.numel()].view_as(q))
-                    off += q.numel()
+            layout.load(model, x.detach())  # every worker starts the sync from the servers' parameters
             for i in range(H):
                 opt.zero_grad(set_to_none=True)
                 task.loss(model, task.batch(w, workers, H * t + i)).backward()
