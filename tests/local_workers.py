@@ -532,7 +532,7 @@ def worker_fsdp_replicas(rank: int, world: int, h: int) -> None:
     replicas agree after every sync and not between; with the averaging outer step (identity codec,
     outer SGD lr 1, no momentum) the model is DDP inside's to float rounding."""
     steps = 3 * h
-    sharded, same, trainer = _train_replicas(rank, "fsdp", h, steps)  # the default outer codec (QSGD 4-bit)
+    _, same, trainer = _train_replicas(rank, "fsdp", h, steps)  # the default outer codec (QSGD 4-bit)
     assert_all_ranks(same == [step % h == 0 for step in range(1, steps + 1)],
                      f"FSDP inside: replicas identical after steps {same}, H={h}")
     assert dist.get_process_group_ranks(trainer.process_group) == [rank % 2, rank % 2 + 2]
