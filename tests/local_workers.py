@@ -527,6 +527,47 @@ def _train_replicas(rank: int, inside: str, h: int, steps: int, trainer_cls: Any
     return full(), same, trainer
 
 
+def _fsdp_inside_resumes_exactly(rank: int) -> None:
+    """FSDP2 inside replicas of 2: DiLoCo's state_dict with the model's and AdamW's (saved with a sync in
+    flight) resumes into a fresh model bit for bit."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    inner = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replica", "shard"))["shard"]
+
+    def build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+        model = make_net(seed)
+        for layer in (model.inp, model.h1, model.h2, model.h3, model.out):
+            fully_shard(layer, mesh=inner)
+        fully_shard(model, mesh=inner)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        return model, opt, commpress.local.DiLoCo(model, opt, sync_every=4, min_numel=64, replica_group=inner.get_group())
+
+    def train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
+        for step in steps:
+            x, y = batch(rank, step)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+
+    model, opt, diloco = build(0)
+    with diloco:
+        train(model, opt, range(10))
+    uninterrupted = [p.full_tensor() for p in model.parameters()]
+    model, opt, diloco = build(0)
+    with diloco:
+        train(model, opt, range(4))  # the sync launched at step 4 is in flight (overlap 1): saved as pending
+    state, user = diloco.state_dict(), copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    assert state["pending"] is not None
+    model, opt, diloco = build(7)  # another initialisation: everything comes from the saved states
+    model.load_state_dict(user["model"])
+    opt.load_state_dict(user["opt"])
+    diloco.load_state_dict(state)
+    with diloco:
+        train(model, opt, range(4, 10))
+    assert_all_ranks(all(torch.equal(a, p.full_tensor()) for a, p in zip(uninterrupted, model.parameters())),
+                     "FSDP inside: the resumed run is not the uninterrupted one")
+
+
 def worker_fsdp_replicas(rank: int, world: int, h: int) -> None:
     """FSDP2 inside each replica: every rank syncs its own shard (half the bytes DDP inside sends); the
     replicas agree after every sync and not between; with the averaging outer step (identity codec,
@@ -550,6 +591,7 @@ def worker_fsdp_replicas(rank: int, world: int, h: int) -> None:
     sent = torch.tensor([a.stats()["bytes_sent"], b.stats()["bytes_sent"]], dtype=torch.float64)
     dist.all_reduce(sent)  # a rank sends its shard, half the model: the four ranks half of what DDP inside sends
     assert_all_ranks(abs(2 * sent[0] - sent[1]) <= 0.01 * sent[1], f"bytes sent, FSDP vs DDP inside (all ranks): {sent}")
+    _fsdp_inside_resumes_exactly(rank)
     # a shard synced over the wrong ranks is refused, naming the parameter (before any collective)
     from torch.distributed.device_mesh import init_device_mesh
 

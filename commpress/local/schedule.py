@@ -202,8 +202,9 @@ class LocalSchedule:
     def params(self) -> list[torch.Tensor]:
         """The tensors synced, in :attr:`names` order: the trainable parameters, or their local shards (FSDP2).
 
-        Looked up at each use: FSDP2 may give a parameter a new local tensor (its lazy init, a
-        ``load_state_dict``), and the sync must write into the one the model reads.
+        Looked up at each use, not kept: FSDP2 can give a parameter a new local tensor
+        (``FSDPParam.reset_sharded_param``, after ``nn.Module._apply`` or a load that replaced
+        it), and the sync must write into the one the model reads.
         """
         return [_local(p) for p in self._params]
 
