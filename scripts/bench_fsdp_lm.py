@@ -136,6 +136,8 @@ DEFAULT = object()
 
 def run_method(method: str, args: argparse.Namespace, text: Any, heldout: tuple[torch.Tensor, torch.Tensor],
                rank: int, world: int) -> dict[str, Any]:
+    from bench_local import synced_at  # the steps where DiLoCo's global copy changes (a merge)
+
     import commpress.fsdp
     from commpress.demo.runner import tx_bytes
     from commpress.demo.workloads import lm_loss
@@ -201,12 +203,6 @@ def run_method(method: str, args: argparse.Namespace, text: Any, heldout: tuple[
         dist.all_reduce(total)
         return float(total[0] / total[1])
 
-    def synced_at(done: int) -> bool:  # DiLoCo's global copy changed at this step (a merge)
-        if trainer is None:
-            return True
-        since = done - trainer.overlap
-        return since >= trainer.interval and since % trainer.interval == 0
-
     def wire() -> tuple[float, float]:
         if state is None:
             return 0.0, 0.0
@@ -237,7 +233,7 @@ def run_method(method: str, args: argparse.Namespace, text: Any, heldout: tuple[
         train_s += dt
         if step >= warm:
             step_s.append(dt)
-        if (step + 1 >= due and synced_at(step + 1)) or step == args.steps - 1:
+        if (step + 1 >= due and (trainer is None or synced_at(trainer, step + 1))) or step == args.steps - 1:
             due = ((step + 1) // eval_every + 1) * eval_every
             before = wire()
             tx_e = tx_bytes()

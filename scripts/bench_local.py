@@ -206,7 +206,7 @@ def make_optimizer(args: argparse.Namespace, params: Any) -> torch.optim.Optimiz
 PER_STEP = {"ddp": 4, "ddp-fp16": 2, "ddp-qsgd": 0}
 
 
-def _synced_at(trainer: Any, step: int) -> bool:
+def synced_at(trainer: Any, step: int) -> bool:
     """True when the trainer's synced model changed at inner step ``step`` (a merge: the sync launched
     ``overlap`` steps earlier; LocalSGD: every H steps)."""
     interval = getattr(trainer, "interval", trainer.sync_every)
@@ -263,7 +263,7 @@ def run_one(rank: int, world: int, kind: str, options: dict[str, Any], args: arg
                 print(f"  [{label}] step {done}: train loss {float(loss.detach()):.4f}", file=sys.stderr, flush=True)
             if rank != 0 or not args.eval_every or done >= args.steps or done < due:
                 continue
-            if trainer is not None and not _synced_at(trainer, done):
+            if trainer is not None and not synced_at(trainer, done):
                 continue
             train_s += time.perf_counter() - t0  # the clock stops for the evaluation
             with torch.no_grad():

@@ -29,7 +29,7 @@ from .server import ShardServer
 from .sharding import Layout, fingerprint
 from .stats import EventLog, gather_stats
 from .transport import cuda_aware
-from .worker import WorkerNode, WorkerOutcome, WorkerRun
+from .worker import WorkerNode, WorkerOutcome, WorkerRun, round_steps
 
 EXIT_ABANDONED = 5  #: a dropped worker never exited, so rank 0 had to abort the job
 
@@ -360,14 +360,13 @@ def _reference_local(task: Task, workers: int, steps: int, seed: int, cfg: PSCon
     layout = Layout.from_model(models[0], cfg.servers, cfg.min_compress)
     x = torch.nn.Parameter(flat_of(models[0]))
     outer = cfg.outer_optimizer()([x])
-    H = cfg.local_steps
     for t in range(steps):
         deltas = []
         for w, (model, opt) in enumerate(zip(models, inner)):
             layout.load(model, x.detach())  # every worker starts the sync from the servers' parameters
-            for i in range(H):
+            for i in round_steps(t, cfg.local_steps):
                 opt.zero_grad(set_to_none=True)
-                task.loss(model, task.batch(w, workers, H * t + i)).backward()
+                task.loss(model, task.batch(w, workers, i)).backward()
                 opt.step()
             deltas.append(x.detach() - flat_of(model))
         total = deltas[0].clone()

@@ -43,6 +43,11 @@ logger = logging.getLogger("commpress")
 Out = list[tuple[int, Any]]  #: ``(server rank, message)`` pairs to send (tensors; raw arrays from faults)
 
 
+def round_steps(step: int, local_steps: int) -> range:
+    """The batch indices of step ``step``'s local round (``local_steps`` H): ``H*step .. H*step + H - 1``."""
+    return range(local_steps * step, local_steps * (step + 1))
+
+
 class WorkerNode:
     """State of worker ``worker`` (MPI rank ``layout.servers + worker``), without MPI.
 
@@ -302,9 +307,9 @@ class WorkerRun:
         if step < self.end:
             if self.save is not None and cfg.checkpoint_every and step > self.start and step % cfg.checkpoint_every == 0:
                 self.save(step, node.state_dict())
-            H = cfg.local_steps
-            if H:
-                value, grad = node.local_round(self.loss, [self.batch(node.worker, self.W, H * step + i) for i in range(H)])
+            if cfg.local_steps:
+                value, grad = node.local_round(self.loss, [self.batch(node.worker, self.W, i)
+                                                           for i in round_steps(step, cfg.local_steps)])
             else:
                 value, grad = node.compute(self.loss, self.batch(node.worker, self.W, step))
             pushes = node.push(step, grad, value)
@@ -337,4 +342,4 @@ class WorkerRun:
         return list(self.node.bye(self.step))
 
 
-__all__ = ["PSError", "WorkerNode", "WorkerOutcome", "WorkerRun"]
+__all__ = ["PSError", "WorkerNode", "WorkerOutcome", "WorkerRun", "round_steps"]

@@ -19,7 +19,7 @@ from commpress.ps.protocol import BROADCAST, MsgType, build
 from commpress.ps.server import ShardServer
 from commpress.ps.sharding import Layout, fingerprint
 from commpress.ps.stats import gather_stats
-from commpress.ps.worker import WorkerNode, WorkerRun
+from commpress.ps.worker import WorkerNode, WorkerRun, round_steps
 
 torch.set_num_threads(1)
 
@@ -79,7 +79,7 @@ class Cluster:
     def push(self, w, t):
         node, H = self.nodes[w], self.cfg.local_steps
         if H:  # DiLoCo's outer-step servers: H inner steps, then the pseudo-gradient
-            loss, grad = node.local_round(self.task.loss, [self.task.batch(w, self.W, H * t + i) for i in range(H)])
+            loss, grad = node.local_round(self.task.loss, [self.task.batch(w, self.W, i) for i in round_steps(t, H)])
         else:
             loss, grad = node.compute(self.task.loss, self.task.batch(w, self.W, t))
         msgs = node.push(t, grad, loss)
