@@ -9,7 +9,8 @@ Run::
 
 No DDP wrapper: each rank trains its own copy with its own optimizer, and every ``--sync-every``
 inner steps ``opt.step()`` also averages the pseudo-gradient (global copy - local copy) over the
-ranks through 4-bit QSGD and lets the outer optimizer (plain SGD, lr 1: the global copy becomes
+ranks through 1-bit sign compression with error feedback (what a sync's frame drops is sent
+at later syncs) and lets the outer optimizer (plain SGD, lr 1: the global copy becomes
 the replicas' average) step on it; then every rank continues
 from the same new global copy. The training loop itself does not change. With ``--fragments K``
 each sync moves 1/K of the parameters (a fragment every H/K steps); with ``--overlap T`` it runs
@@ -70,7 +71,8 @@ def main() -> None:
         with torch.no_grad():
             return F.cross_entropy(model(x_eval), y_eval).item()
 
-    # The default outer codec is QSGD 4-bit; codec="topk", ratio=0.01 or codec="none" also work.
+    # The default outer codec is sign with error feedback; codec="qsgd", bits=4, codec="topk", ratio=0.01
+    # or codec="none" also work.
     with commpress.local.DiLoCo(model, opt, sync_every=args.sync_every, fragments=args.fragments,
                                 overlap=args.overlap, **replica) as diloco:
         first = eval_loss()  # after construction: rank 0's weights on every rank

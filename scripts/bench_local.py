@@ -46,7 +46,7 @@ per-step rows: DDP's all-reduce, PyTorch's ``fp16_compress_hook``, and
     PYTHONPATH=$PWD python scripts/bench_local.py --workload lm --only - --add sync_every=64,bits=2
     sudo PYTHONPATH=$PWD python scripts/bench_local.py --workload lm --links unshaped 100mbit --only \
         "DDP all-reduce every step" "DDP + PyTorch fp16_compress_hook every step" "DDP + commpress qsgd every step" \
-        "DiLoCo at its defaults (H=16, qsgd 4-bit outer, overlap H/4)" "DiLoCo H=96, qsgd 4-bit outer, outer lr 1 m 0"
+        "DiLoCo at its defaults (H=16, sign outer, overlap H/4)" "DiLoCo H=96, qsgd 4-bit outer, outer lr 1 m 0"
 """
 
 from __future__ import annotations
@@ -84,14 +84,22 @@ LOSS_TARGET = 1.02
 #: pinned, so the tables' commands still give their numbers.
 OUTER_BEFORE: dict[str, Any] = {"outer_lr": 0.5, "outer_momentum": 0.8, "nesterov": True}
 OB = OUTER_BEFORE
+#: The outer codec of the same rows (the library's default until 2026-12-07, sign with error
+#: feedback since): pinned for the same reason; ``--add`` rows that name a QSGD parameter (``bits``,
+#: ``bucket_size``, ...) but no codec get QSGD.
+CODEC_BEFORE: dict[str, Any] = {"codec": "qsgd", "bits": 4}
+QB = CODEC_BEFORE
+#: QSGD's parameters: an ``--add`` row that names one and no codec means QSGD
+QSGD_PARAMS = ("bits", "levels", "bucket_size", "coding")
 
 METHODS: list[tuple[str, str, dict[str, Any]]] = [
     ("DDP all-reduce every step", "ddp", {}),
     ("DDP + PyTorch fp16_compress_hook every step", "ddp-fp16", {}),
     ("DDP + commpress qsgd every step", "ddp-qsgd", {}),
     ("LocalSGD", "localsgd", {}),
-    ("DiLoCo default (qsgd 4-bit outer, overlap H/4, alpha 0.5)", "diloco", {}),
-    ("DiLoCo qsgd 4-bit outer, blocking (overlap 0)", "diloco", {"overlap": 0, **OB}),
+    ("DiLoCo default (sign outer, overlap H/4, alpha 0.5)", "diloco", {}),
+    ("DiLoCo qsgd 4-bit outer, overlap H/4, alpha 0.5 (the default before 2026-12-07)", "diloco", {**QB}),
+    ("DiLoCo qsgd 4-bit outer, blocking (overlap 0)", "diloco", {"overlap": 0, **QB, **OB}),
     ("DiLoCo dense outer, blocking", "diloco", {"codec": "none", "overlap": 0, **OB}),
     ("DiLoCo dense outer, overlap H/4, alpha 0.5", "diloco", {"codec": "none", **OB}),
     ("DiLoCo qsgd 8-bit outer, blocking", "diloco", {"codec": "qsgd", "bits": 8, "overlap": 0, **OB}),
@@ -100,13 +108,13 @@ METHODS: list[tuple[str, str, dict[str, Any]]] = [
     ("DiLoCo dense outer, paper's lr 0.7 m 0.9, blocking", "diloco",
      {"codec": "none", "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True, "overlap": 0}),
     ("DiLoCo qsgd 4-bit outer, paper's lr 0.7 m 0.9, blocking", "diloco",
-     {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True, "overlap": 0}),
-    ("streaming DiLoCo, fragments 2, blocking", "diloco", {"fragments": 2, "overlap": 0, **OB}),
-    ("streaming DiLoCo, fragments 4, blocking", "diloco", {"fragments": 4, "overlap": 0, **OB}),
-    ("streaming DiLoCo, fragments 4, overlap 1, alpha 0.5", "diloco", {"fragments": 4, "overlap": 1, **OB}),
-    ("streaming DiLoCo, fragments 4, overlap 4, alpha 0 (replace)", "diloco", {"fragments": 4, "overlap": 4, "merge_alpha": 0.0, **OB}),
-    ("streaming DiLoCo, fragments 4, overlap 4, alpha 0.5", "diloco", {"fragments": 4, "overlap": 4, **OB}),
-    ("streaming DiLoCo, fragments 1, overlap H/4, alpha 0 (replace)", "diloco", {"merge_alpha": 0.0, **OB}),
+     {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True, "overlap": 0, **QB}),
+    ("streaming DiLoCo, fragments 2, blocking", "diloco", {"fragments": 2, "overlap": 0, **QB, **OB}),
+    ("streaming DiLoCo, fragments 4, blocking", "diloco", {"fragments": 4, "overlap": 0, **QB, **OB}),
+    ("streaming DiLoCo, fragments 4, overlap 1, alpha 0.5", "diloco", {"fragments": 4, "overlap": 1, **QB, **OB}),
+    ("streaming DiLoCo, fragments 4, overlap 4, alpha 0 (replace)", "diloco", {"fragments": 4, "overlap": 4, "merge_alpha": 0.0, **QB, **OB}),
+    ("streaming DiLoCo, fragments 4, overlap 4, alpha 0.5", "diloco", {"fragments": 4, "overlap": 4, **QB, **OB}),
+    ("streaming DiLoCo, fragments 1, overlap H/4, alpha 0 (replace)", "diloco", {"merge_alpha": 0.0, **QB, **OB}),
 ]
 
 
@@ -118,25 +126,28 @@ LM_METHODS: list[tuple[str, str, dict[str, Any]]] = [
     # per-step compression on the same link, the methods DiLoCo must be ahead of (issue #26)
     ("DDP + PyTorch fp16_compress_hook every step", "ddp-fp16", {}),
     ("DDP + commpress qsgd every step", "ddp-qsgd", {}),
-    ("DiLoCo at its defaults (H=16, qsgd 4-bit outer, overlap H/4)", "diloco", {"sync_every": None}),
-    ("DiLoCo H=32, qsgd 4-bit outer", "diloco", {"sync_every": 32, **OB}),
-    ("DiLoCo H=64, qsgd 4-bit outer", "diloco", {"sync_every": 64, **OB}),
-    ("DiLoCo H=128, qsgd 4-bit outer", "diloco", {"sync_every": 128, **OB}),
-    ("DiLoCo H=32, qsgd 2-bit outer", "diloco", {"sync_every": 32, "bits": 2, **OB}),
-    ("DiLoCo H=64, qsgd 2-bit outer", "diloco", {"sync_every": 64, "bits": 2, **OB}),
-    ("DiLoCo H=96, qsgd 4-bit outer", "diloco", {"sync_every": 96, **OB}),
-    ("DiLoCo H=128, qsgd 8-bit outer", "diloco", {"sync_every": 128, "bits": 8, **OB}),
+    ("DiLoCo at its defaults (H=16, sign outer, overlap H/4)", "diloco", {"sync_every": None}),
+    # the defaults before 2026-12-07 (the outer SGD lr 1 of 2026-12-06, QSGD 4-bit) and the sparse alternative
+    ("DiLoCo H=16, qsgd 4-bit outer, outer lr 1 m 0 (the default before 2026-12-07)", "diloco", {"sync_every": 16, **QB}),
+    ("DiLoCo H=16, top-k 1% outer (EF), outer lr 1 m 0", "diloco", {"sync_every": 16, "codec": "topk", "ratio": 0.01}),
+    ("DiLoCo H=32, qsgd 4-bit outer", "diloco", {**QB, "sync_every": 32, **OB}),
+    ("DiLoCo H=64, qsgd 4-bit outer", "diloco", {**QB, "sync_every": 64, **OB}),
+    ("DiLoCo H=128, qsgd 4-bit outer", "diloco", {**QB, "sync_every": 128, **OB}),
+    ("DiLoCo H=32, qsgd 2-bit outer", "diloco", {**QB, "sync_every": 32, "bits": 2, **OB}),
+    ("DiLoCo H=64, qsgd 2-bit outer", "diloco", {**QB, "sync_every": 64, "bits": 2, **OB}),
+    ("DiLoCo H=96, qsgd 4-bit outer", "diloco", {**QB, "sync_every": 96, **OB}),
+    ("DiLoCo H=128, qsgd 8-bit outer", "diloco", {**QB, "sync_every": 128, "bits": 8, **OB}),
     ("DiLoCo H=32, top-k 2% outer (EF)", "diloco", {"sync_every": 32, "codec": "topk", "ratio": 0.02, **OB}),
     ("DiLoCo H=64, dense outer", "diloco", {"sync_every": 64, "codec": "none", **OB}),
     ("LocalSGD H=16", "localsgd", {"sync_every": 16}),
     # the candidate the LM table found (docs/local.md): 4-bit outer at H=96, outer SGD lr 1 without momentum
     ("DiLoCo H=96, qsgd 4-bit outer, outer lr 1 m 0", "diloco",
-     {"sync_every": 96, "outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False}),
+     {"sync_every": 96, "outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False, **QB}),
     # the paper's outer optimizer at the large H (Nesterov lr 0.7, momentum 0.9)
     ("DiLoCo H=64, qsgd 4-bit outer, paper's lr 0.7 m 0.9", "diloco",
-     {"sync_every": 64, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}),
+     {"sync_every": 64, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True, **QB}),
     ("DiLoCo H=128, qsgd 4-bit outer, paper's lr 0.7 m 0.9", "diloco",
-     {"sync_every": 128, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}),
+     {"sync_every": 128, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True, **QB}),
 ]
 
 
@@ -326,7 +337,10 @@ def select(args: argparse.Namespace) -> list[tuple[str, str, dict[str, Any]]]:
         methods.append((f"streaming DiLoCo, fragments {args.fragments or 1}, overlap {args.overlap}, alpha {args.merge_alpha}",
                         "diloco", {"fragments": args.fragments or 1, "overlap": args.overlap, "merge_alpha": args.merge_alpha}))
     for spec in args.add:  # DiLoCo with these keywords (sync_every=64,bits=2,outer_lr=0.7,...)
-        methods.append((f"DiLoCo {spec}", "diloco", parse_params(spec, "--add")))
+        kw = parse_params(spec, "--add")
+        if "codec" not in kw and any(k in kw for k in QSGD_PARAMS):  # as the rows before 2026-12-07 meant
+            kw["codec"] = CODEC_BEFORE["codec"]
+        methods.append((f"DiLoCo {spec}", "diloco", kw))
     return methods
 
 

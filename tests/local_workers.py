@@ -668,7 +668,8 @@ def worker_auto_codec(rank: int, world: int) -> None:
     assert again.config()["outer_auto"] == "qsgd4"
     # an auto checkpoint does not load into a fixed codec, nor a fixed one into auto
     model = make_net()
-    plain = commpress.local.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=8, overlap=8)
+    plain = commpress.local.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=8, overlap=8,
+                                   codec="qsgd", bits=4)  # auto's codec: only outer_auto differs
     with pytest.raises(ValueError, match="outer_auto"):
         plain.load_state_dict(states["slow"])
     with pytest.raises(ValueError, match="outer_auto"):

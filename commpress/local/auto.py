@@ -1,7 +1,7 @@
 """``DiLoCo(model, opt, codec="auto")``: the outer gradient's codec, chosen from the cost model.
 
 **The rule.** Among :data:`CANDIDATES`, most exact first (dense ``"none"``, QSGD 8-bit, QSGD
-4-bit: the default codec), take the first whose predicted sync time fits in the overlap window;
+4-bit), take the first whose predicted sync time fits in the overlap window;
 when none fits, the last one (QSGD 4-bit, the fewest bytes). All three keep no error-feedback
 residuals (dense is exact, QSGD unbiased), so the choice changes no other state.
 
@@ -19,12 +19,12 @@ residuals (dense is exact, QSGD unbiased), so the choice changes no other state.
 - **Calibration** at construction, every rank together: the link (``alpha``, ``beta``) from timed
   all-reduces (:func:`~commpress.comm.costmodel.calibrate_link`, unless ``auto_link=`` gives one),
   and the device costs of the two QSGD codecs (:func:`~commpress.comm.costmodel.calibrate_codecs`),
-  each all-reduced with MAX. A device calibration that fails on any rank makes every rank keep
-  the default codec, with a log line saying why.
+  each all-reduced with MAX. A device calibration that fails on any rank makes every rank take
+  the last candidate (QSGD 4-bit), with a log line saying why.
 
 The choice is made at the first sync, before it launches (step ``sync_every / fragments``), on
 numbers every rank holds alike, and checked (one all-reduce): every rank takes the same codec.
-Until then the provisional codec is the default (QSGD 4-bit); ``config()`` says ``outer_auto:
+Until then the provisional codec is the last candidate (QSGD 4-bit); ``config()`` says ``outer_auto:
 "undecided"``. The choice is part of the configuration, so it is saved in ``state_dict()`` and a
 resumed run keeps it, whatever its own calibration says. Rank 0 logs the choice and the reason
 (logger ``commpress``, INFO); ``stats()`` has ``auto_choice`` (an index into
@@ -136,7 +136,7 @@ class OuterAuto:
                   "(blocking syncs)") + f" x {self.step_s * 1e3:.1f} ms = {self.window_s * 1e3:.1f} ms"
         last = len(CANDIDATES) - 1
         if self.costs is None or self.link is None:
-            choice, why = last, f"device calibration failed ({self.failed}): the default codec"
+            choice, why = last, f"device calibration failed ({self.failed}): the fewest bytes"
         else:
             cost = self.costs[CANDIDATES[-1][0]]
             for (label, _, _), red in zip(CANDIDATES, candidates):
