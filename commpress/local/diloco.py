@@ -8,8 +8,9 @@ inner steps, inside that optimizer's ``step()`` (:class:`~.schedule.LocalSchedul
 2. it is averaged over the ranks through a commpress codec and collective, with error feedback
    for the biased codecs (:class:`~.outer.OuterReduction`);
 3. if the average is finite, the outer optimizer (plain ``SGD(lr=1.0)`` by default: the global
-   copy becomes the replicas' average; the paper's Nesterov SGD is one argument away) steps on it as the gradient of the global copy; if it is not (some rank's delta held
-   NaN or Inf), the outer step is skipped on every rank alike, logged and counted;
+   copy becomes the replicas' average; the paper's Nesterov SGD is one argument away) steps on
+   it as the gradient of the global copy; if it is not (some rank's delta held NaN or Inf), the
+   outer step is skipped on every rank alike, logged and counted;
 4. every rank's parameters are reset to the global copy: bit-identical on every rank (the same
    reduced bytes, the same outer arithmetic on the same starting copy, broadcast from rank 0 at
    construction). With ``overlap`` (on by default from H=4, below) steps 3-4 come later and
@@ -124,9 +125,9 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
         inner_optimizer: the user's optimizer over the model's parameters (any ``torch.optim``).
         sync_every: inner steps H between syncs.
         codec: the outer gradient's codec (a name with ``**codec_params``, or a Codec); default
-            ``"sign"`` with error feedback (``DEFAULT_CODEC``); ``"none"`` sends it dense; ``"auto"`` (:mod:`.auto`) chooses dense, QSGD 8-bit or QSGD
-            4-bit at the first sync: the most exact whose predicted sync time fits in ``overlap``
-            steps of compute (blocking: 10% of the steps between syncs), from a calibrated link
+            ``"sign"`` with error feedback (``DEFAULT_CODEC``); ``"none"`` sends it dense;
+            ``"auto"`` (:mod:`.auto`) chooses dense, QSGD 8-bit or QSGD 4-bit at the first sync:
+            the most exact whose predicted sync time fits in ``overlap`` steps of compute (blocking: 10% of the steps between syncs), from a calibrated link
             (``auto_link=Link.from_gbit(...)`` to give one) and the measured step time.
         outer_lr, outer_momentum, nesterov: the default outer optimizer,
             ``SGD(lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)``; by default
