@@ -127,7 +127,8 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
         codec: the outer gradient's codec (a name with ``**codec_params``, or a Codec); default
             ``"sign"`` with error feedback (``DEFAULT_CODEC``); ``"none"`` sends it dense;
             ``"auto"`` (:mod:`.auto`) chooses dense, QSGD 8-bit or QSGD 4-bit at the first sync:
-            the most exact whose predicted sync time fits in ``overlap`` steps of compute (blocking: 10% of the steps between syncs), from a calibrated link
+            the most exact whose predicted sync time fits in ``overlap`` steps of compute
+            (blocking: 10% of the steps between syncs), from a calibrated link
             (``auto_link=Link.from_gbit(...)`` to give one) and the measured step time.
         outer_lr, outer_momentum, nesterov: the default outer optimizer,
             ``SGD(lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)``; by default
