@@ -1,9 +1,11 @@
 """``DiLoCo(model, opt, codec="auto")``: the outer gradient's codec, chosen from the cost model.
 
 **The rule.** Among :data:`CANDIDATES`, most exact first (dense ``"none"``, QSGD 8-bit, QSGD
-4-bit), take the first whose predicted sync time fits in the overlap window;
-when none fits, the last one (QSGD 4-bit, the fewest bytes). All three keep no error-feedback
-residuals (dense is exact, QSGD unbiased), so the choice changes no other state.
+4-bit, sign with error feedback), take the first whose predicted sync time fits in the overlap
+window; when none fits, the last one (sign, the fewest bytes: ``DiLoCo``'s default codec since
+2026-12-07, added here then). Before the choice the provisional codec is QSGD 4-bit
+(:data:`PROVISIONAL`), which keeps no error-feedback residual, so a checkpoint taken before the
+first sync holds none and the choice changes no other state (sign's residuals start at zero).
 
 - **Predicted sync time** of a candidate: the largest fragment's reduction as
   :class:`~.outer.OuterReduction` would run it (its slots, compressed and dense parameters, its
@@ -18,13 +20,13 @@ residuals (dense is exact, QSGD unbiased), so the choice changes no other state.
   shortest window is the one that must hold).
 - **Calibration** at construction, every rank together: the link (``alpha``, ``beta``) from timed
   all-reduces (:func:`~commpress.comm.costmodel.calibrate_link`, unless ``auto_link=`` gives one),
-  and the device costs of the two QSGD codecs (:func:`~commpress.comm.costmodel.calibrate_codecs`),
+  and the device costs of the compressing candidates (:func:`~commpress.comm.costmodel.calibrate_codecs`),
   each all-reduced with MAX. A device calibration that fails on any rank makes every rank take
-  the last candidate (QSGD 4-bit), with a log line saying why.
+  the last candidate (sign), with a log line saying why.
 
 The choice is made at the first sync, before it launches (step ``sync_every / fragments``), on
 numbers every rank holds alike, and checked (one all-reduce): every rank takes the same codec.
-Until then the provisional codec is the last candidate (QSGD 4-bit); ``config()`` says ``outer_auto:
+Until then the provisional codec is QSGD 4-bit; ``config()`` says ``outer_auto:
 "undecided"``. The choice is part of the configuration, so it is saved in ``state_dict()`` and a
 resumed run keeps it, whatever its own calibration says. Rank 0 logs the choice and the reason
 (logger ``commpress``, INFO); ``stats()`` has ``auto_choice`` (an index into
@@ -61,8 +63,10 @@ logger = logging.getLogger("commpress")
 
 #: The candidates, most exact first: (label, codec name, codec parameters).
 CANDIDATES: tuple[tuple[str, str, dict[str, Any]], ...] = (
-    ("dense", "none", {}), ("qsgd8", "qsgd", {"bits": 8}), ("qsgd4", "qsgd", {"bits": 4}),
+    ("dense", "none", {}), ("qsgd8", "qsgd", {"bits": 8}), ("qsgd4", "qsgd", {"bits": 4}), ("sign", "sign", {}),
 )
+#: The candidate a DiLoCo reduces with until the choice (QSGD 4-bit: no residual to save before it)
+PROVISIONAL = 2
 #: With ``overlap=0`` the window is this fraction of the compute between two syncs.
 BLOCKING_FRACTION = 0.1
 #: Elements each QSGD codec is timed on at construction (4 MB of float32).
@@ -109,7 +113,7 @@ class OuterAuto:
         return self.choice is not None
 
     def calibrate(self, candidates: Sequence[OuterReduction], group: Any, device: torch.device) -> None:
-        """Measure the link (unless forced) and the QSGD candidates' device costs: a collective, MAX over ranks."""
+        """Measure the link (unless forced) and the compressing candidates' device costs: a collective, MAX over ranks."""
         self.link = self.forced_link or calibrate_link(group, device)
         codecs = {label: red.codec for (label, codec, _), red in zip(CANDIDATES, candidates) if codec != "none"}
         self.costs, self.failed = calibrate_codecs(codecs, group=group, device=device, numel=self.calibration_numel)
@@ -188,4 +192,4 @@ def parse_choice(value: Any) -> int | None:
     return labels.index(value)
 
 
-__all__ = ["AUTO_OPTIONS", "BLOCKING_FRACTION", "CANDIDATES", "OuterAuto", "parse_choice"]
+__all__ = ["AUTO_OPTIONS", "BLOCKING_FRACTION", "CANDIDATES", "PROVISIONAL", "OuterAuto", "parse_choice"]

@@ -84,7 +84,7 @@ from ..comm import CommStats
 from ..comm.faults import wait
 from ..errors import ConfigurationError
 from ..options import ratio_stats
-from .auto import CANDIDATES, OuterAuto, parse_choice
+from .auto import CANDIDATES, PROVISIONAL, OuterAuto, parse_choice
 from .outer import OuterReduction, PendingReduction
 from .schedule import SYNC_TIMEOUT_S, VERIFY_TIMEOUT_S, LocalSchedule
 
@@ -126,7 +126,7 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
         sync_every: inner steps H between syncs.
         codec: the outer gradient's codec (a name with ``**codec_params``, or a Codec); default
             ``"sign"`` with error feedback (``DEFAULT_CODEC``); ``"none"`` sends it dense;
-            ``"auto"`` (:mod:`.auto`) chooses dense, QSGD 8-bit or QSGD 4-bit at the first sync:
+            ``"auto"`` (:mod:`.auto`) chooses dense, QSGD 8-bit, QSGD 4-bit or sign at the first sync:
             the most exact whose predicted sync time fits in ``overlap`` steps of compute
             (blocking: 10% of the steps between syncs), from a calibrated link
             (``auto_link=Link.from_gbit(...)`` to give one) and the measured step time.
@@ -183,14 +183,14 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
         if codec is None:
             codec, codec_params = DEFAULT_CODEC[0], {**DEFAULT_CODEC[1], **codec_params}
         shapes = [tuple(p.shape) for p in self.params]
-        #: ``codec="auto"`` (:mod:`.auto`): the choice, and one reduction per candidate (the default until it is made)
+        #: ``codec="auto"`` (:mod:`.auto`): the choice, and one reduction per candidate (the provisional one until it is made)
         self.auto: OuterAuto | None = None
         self._candidates: list[OuterReduction] = []
         if isinstance(codec, str) and codec == "auto":
             self.auto = OuterAuto.from_params(codec_params)
             self._candidates = OuterAuto.reductions(self.names, shapes, self.dtype, world_size=self.world_size,
                                                     rank=self.rank, seed=seed, min_numel=min_numel)
-            self.outer = self._candidates[-1]
+            self.outer = self._candidates[PROVISIONAL]
         else:
             self.outer = OuterReduction(self.names, shapes, self.dtype, codec, codec_params,
                                         world_size=self.world_size, rank=self.rank, seed=seed, min_numel=min_numel)
@@ -285,8 +285,8 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
                         CANDIDATES[choice][0], self.auto.reason)
 
     def _adopt(self, choice: int | None) -> None:
-        """Reduce with candidate ``choice`` from now on (None: the provisional default); the byte counters carry over."""
-        red = self._candidates[-1 if choice is None else choice]
+        """Reduce with candidate ``choice`` from now on (None: the provisional one); the byte counters carry over."""
+        red = self._candidates[PROVISIONAL if choice is None else choice]
         red.counters = self.outer.counters
         self.outer = red
 
@@ -459,7 +459,7 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
                 raise ValueError("config.outer_auto: checkpoint has none (not saved with codec='auto'), this DiLoCo "
                                  "has codec='auto'")
             choice = parse_choice(theirs["outer_auto"])
-            outer = self._candidates[-1 if choice is None else choice]
+            outer = self._candidates[PROVISIONAL if choice is None else choice]
         mine = _jsonish(self._config(outer, None if self.auto is None else theirs["outer_auto"]))
         for key in sorted(set(mine) | set(theirs)):
             if _jsonish(theirs.get(key)) != mine.get(key):
