@@ -54,6 +54,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import inspect
 import json
 import os
 import re
@@ -71,7 +72,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commpress.ddp
 import commpress.local
-from commpress.codecs import parse_params
+from commpress.codecs import codec_class, parse_params
 from commpress.demo.shaped_net import ShapedNetwork, can_shape
 from commpress.demo.workloads import ByteLM, TextBatches, digits_mlp, digits_split, lm_loss, seeded
 
@@ -89,8 +90,8 @@ OB = OUTER_BEFORE
 #: ``bucket_size``, ...) but no codec get QSGD.
 CODEC_BEFORE: dict[str, Any] = {"codec": "qsgd", "bits": 4}
 QB = CODEC_BEFORE
-#: QSGD's parameters: an ``--add`` row that names one and no codec means QSGD
-QSGD_PARAMS = ("bits", "levels", "bucket_size", "coding")
+#: QSGD's parameters (its constructor's): an ``--add`` row that names one and no codec means QSGD
+QSGD_PARAMS = tuple(inspect.signature(codec_class("qsgd")).parameters)
 
 METHODS: list[tuple[str, str, dict[str, Any]]] = [
     ("DDP all-reduce every step", "ddp", {}),

@@ -91,8 +91,8 @@ from .schedule import SYNC_TIMEOUT_S, VERIFY_TIMEOUT_S, LocalSchedule
 logger = logging.getLogger("commpress")
 
 #: The outer codec ``DiLoCo(model, opt)`` uses, and its parameters: sign (one scale per tensor) with
-#: error feedback since 2026-12-07: with the plain outer SGD it ended below QSGD 4-bit's held-out loss
-#: on the byte LM at 2 and 4 ranks at 3.7x fewer bytes (module docstring; QSGD 4-bit was the default
+#: error feedback since 2026-12-07: with the plain outer SGD it ended at or below QSGD 4-bit's held-out
+#: loss on the byte LM at 2 and 4 ranks at 3.7x fewer bytes (module docstring; QSGD 4-bit was the default
 #: when the outer optimizer was Nesterov momentum, which sign's error feedback did not suit).
 DEFAULT_CODEC: tuple[str, dict[str, Any]] = ("sign", {})
 #: Inner steps between syncs by default.
