@@ -11,6 +11,7 @@ the others blocked in a collective. Run as a script (``python -m torch.distribut
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import gc
 import json
 import socket
@@ -60,6 +61,7 @@ def free_port() -> int:
 
 
 def _entry(rank: int, fn: Callable[..., None], world: int, port: int, args: tuple[Any, ...]) -> None:
+    faulthandler.enable(all_threads=True)  # a native crash (SIGSEGV/SIGABRT) prints every thread's Python stack
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,

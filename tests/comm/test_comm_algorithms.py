@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import comm_workers as cw
 import pytest
 
 from commpress import comm
 from commpress.errors import CodecError
 
+import comm_workers as cw
 import ddp_workers as w
 
 
