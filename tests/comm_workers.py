@@ -98,7 +98,7 @@ def worker_fault_channel_close(rank: int, world: int) -> None:
     start = time.monotonic()
     channel.close()
     took = time.monotonic() - start
-    assert_all_ranks(not thread.is_alive() and took < WATCH_SLICE_S + 1.5,
+    assert_all_ranks(not thread.is_alive() and took < WATCH_SLICE_S + 2.5,
                      f"the watcher outlived close() ({took:.2f} s, alive={thread.is_alive()})")
     dist.barrier()
 
