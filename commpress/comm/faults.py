@@ -2,7 +2,7 @@
 
 A rank that cannot decode what it received raises :class:`~commpress.errors.RankFailedError`
 and posts it to the process group's store (:mod:`.store`); every other rank raises the same
-error within milliseconds instead of waiting in a collective for the process group's timeout.
+error within a fraction of a second instead of waiting in a collective for the process group's timeout.
 Adapters open a :meth:`FaultChannel.guarded` scope around their unit of work; :func:`then`,
 :func:`wait` and :func:`current_scope` are what the driver and algorithms read of it.
 """
@@ -32,18 +32,17 @@ logger = logging.getLogger("commpress")
 _scope: contextvars.ContextVar[tuple[FaultChannel, str] | None] = contextvars.ContextVar(
     "commpress_fault_scope", default=None
 )
-_EXIT = "exit"
 #: a synchronous wait inside a fault scope checks for other ranks' failures this often (CPU)
 WAIT_SLICE_S = 0.1
 WAIT_SLICE = datetime.timedelta(seconds=WAIT_SLICE_S)
-#: the watcher thread blocks in the store at most this long at a time, so that :meth:`FaultChannel.close`
-#: stops it within this even when the store no longer answers (a wake key still returns at once)
-WATCH_SLICE_S = 0.5
+#: the watcher thread reads its wake key this often (one ~60 us store round trip), never blocking in
+#: the store: a thread blocked there at interpreter exit aborts the process (FaultChannel.close)
+WATCH_SLICE_S = 0.25
 WATCH_SLICE = datetime.timedelta(seconds=WATCH_SLICE_S)
 
 
 class FaultChannel:
-    """Makes one rank's failure every rank's error within milliseconds, at no cost while healthy.
+    """Makes one rank's failure every rank's error within a fraction of a second, at almost no cost while healthy.
 
     Why: a rank that cannot decode the bytes it received (corrupted on the way, a bug) raises
     there, and nothing tells the others: they go on to a collective the failing rank never joins
@@ -57,11 +56,11 @@ class FaultChannel:
        ``init_process_group`` built: it stays up when collectives do not); the rank waits up to
        :attr:`ACK_TIMEOUT_S` for the others to read it (rank 0 hosts the store: exiting at once
        could take the message with it), then raises :class:`RankFailedError`;
-    2. **notice**, on every rank: a daemon thread blocks in ``store.wait`` on its own wake key,
+    2. **notice**, on every rank: a daemon thread reads its own wake key every :data:`WATCH_SLICE_S`,
        over its own connection (``TCPStore.clone()``, so no other store call queues behind it).
-       A blocked wait costs almost nothing while healthy: no store read per step (a read is a
-       ~60 us round trip on loopback, measured), no extra collective; the wait is renewed every
-       :data:`WATCH_SLICE_S` so that :meth:`close` can always stop the thread. When the key appears,
+       That costs almost nothing while healthy: no store read per step (a read is a ~60 us round
+       trip on loopback, measured), no extra collective; it never blocks in the store (a timed-out
+       ``store.wait`` logs c10d warnings), so :meth:`close` can always stop it. When the key appears,
        the thread acknowledges it and waits (at most :attr:`ACK_TIMEOUT_S`) until every rank
        has, so that no rank raises, and perhaps exits, before all have read it (a peer whose
        collective breaks meanwhile waits for it, :meth:`_await_fault`); then it records the
@@ -96,7 +95,7 @@ class FaultChannel:
         self._pending: dict[int, torch.futures.Future[Any]] = {}
         self._client: Any = None  # posts and acks
         self._thread: threading.Thread | None = None
-        self._stop = threading.Event()  # set by close(): the watcher returns after its current slice
+        self._stop = threading.Event()  # set by close(): the watcher returns at once
         if store is None or self.world < 2:
             return
         try:
@@ -290,16 +289,13 @@ class FaultChannel:
         key = self._key("wake", self.rank)
         while True:
             try:
-                watcher.wait([key], WATCH_SLICE)
-                value = watcher.get(key).decode()
-                break
-            except dist.DistStoreError:  # the slice ran out (a timed-out wait is cancelled: measured)
-                if self._stop.is_set():
-                    return
+                if watcher.check([key]):  # a non-blocking read: a timed-out store wait logs two c10d warnings
+                    value = watcher.get(key).decode()
+                    break
             except Exception:  # noqa: BLE001 - the store went away (its host exited): nothing more to watch
                 return
-        if value == _EXIT:
-            return
+            if self._stop.wait(WATCH_SLICE_S):
+                return
         try:
             info = json.loads(value)
             fault = (int(info["rank"]), str(info["where"]), str(info["reason"]))
@@ -321,20 +317,18 @@ class FaultChannel:
         The thread must be gone before the interpreter finalizes: one still blocked in
         ``store.wait`` then dies in C++ when the wait returns (``take_gil`` exits the thread,
         whose forced unwind aborts the process: measured, 4 of 12 four-rank runs whose rank 0,
-        the store's host, went first). The wake key makes a live store's wait return at once;
-        the stop flag covers a store that no longer answers, within a slice and the request
-        timeout of its cancel (~1.5 s, longer on a starved CPU: hence the generous wait).
+        the store's host, went first). The watcher never blocks in the store (it reads its key
+        and sleeps on the stop flag), so it returns at once, or after a read that a store no
+        longer answering ends within its request timeout (two slices; longer on a starved CPU:
+        hence the generous wait).
         """
         self._request_stop()
         if self._thread is not None:
             self._thread.join(timeout=timeout)
 
     def _request_stop(self) -> None:
-        """Set the stop flag and post the wake key: the watcher returns at once, or after its slice."""
+        """Set the stop flag: the watcher returns at once, or after its current store read."""
         self._stop.set()
-        if self._client is not None and self._thread is not None and self._thread.is_alive():
-            with contextlib.suppress(Exception):
-                self._client.set(self._key("wake", self.rank), _EXIT)
 
 
 @atexit.register
