@@ -104,7 +104,7 @@ class FaultChannel:
             logger.info("commpress: no fault channel (%s): a failure stays on the rank that saw it", exc)
             self._client = None
             return
-        with contextlib.suppress(Exception):  # bounds every request of the watcher (the cancel of a timed-out wait too)
+        with contextlib.suppress(Exception):  # bounds each read of the watcher: a store that stops answering cannot hold it
             watcher.set_timeout(2 * WATCH_SLICE)
         self._thread = threading.Thread(target=self._watch, args=(watcher,), name="commpress-faults", daemon=True)
         self._thread.start()
@@ -322,13 +322,9 @@ class FaultChannel:
         longer answering ends within its request timeout (two slices; longer on a starved CPU:
         hence the generous wait).
         """
-        self._request_stop()
+        self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=timeout)
-
-    def _request_stop(self) -> None:
-        """Set the stop flag: the watcher returns at once, or after its current store read."""
-        self._stop.set()
 
 
 @atexit.register
@@ -336,7 +332,7 @@ def _close_channels() -> None:
     """Stop every watcher before the interpreter finalizes: all asked at once, then joined against one deadline."""
     channels = list(FaultChannel._channels.values())
     for channel in channels:
-        channel._request_stop()
+        channel._stop.set()  # every watcher returns at once, or after its current store read
     deadline = time.monotonic() + 10.0
     for channel in channels:
         channel.close(timeout=max(0.0, deadline - time.monotonic()))
