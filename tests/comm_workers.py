@@ -1,6 +1,8 @@
-"""Rank programs for tests/test_comm_algorithms.py: each algorithm run directly on a gloo group."""
+"""Rank programs for tests/test_comm_algorithms.py and tests/comm/: algorithms run directly on a gloo group, and whole rank programs."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -143,3 +145,45 @@ def init_twice_on_one_port(rank: int, world: int, port: int) -> None:
         assert t.item() == world
         dist.barrier()
         dist.destroy_process_group()
+
+
+class _SlowToFree:
+    """Freed 1 s late (the sleep lets go of the GIL): the main thread runs on towards exit meanwhile."""
+
+    def __del__(self) -> None:
+        import time
+
+        time.sleep(1.0)
+
+
+def _doubles_holding_a_slow_to_free() -> Callable[[torch.futures.Future[list[torch.Tensor]]], torch.Tensor]:
+    held = _SlowToFree()
+
+    def callback(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        assert held is not None  # the closure alone keeps it, until torch frees the callback
+        return f.value()[0] * 2
+
+    return callback
+
+
+def exit_while_a_callback_is_freed(rank: int, world: int, port: int, register: str) -> None:
+    """A whole rank program: a callback on an all-reduce's future (through commpress's ``register``:
+    ``then`` or ``add_done_callback``) that gloo's thread frees 1 s after the future completed,
+    and the main thread exits at once. With torch's own ``then`` every such run aborts at exit
+    ("terminate called without an active exception", measured); commpress's exit hook waits."""
+    import datetime
+    import faulthandler
+
+    from commpress.comm import callbacks
+
+    faulthandler.enable(all_threads=True)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    t = torch.ones(3)
+    fut = dist.all_reduce(t, async_op=True).get_future()
+    if register == "then":
+        out = callbacks.then(fut, _doubles_holding_a_slow_to_free()).wait()
+        assert torch.equal(out, torch.full((3,), 2.0 * world)), out
+    else:
+        callbacks.add_done_callback(fut, _doubles_holding_a_slow_to_free())
+        fut.wait()

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigurationError, RankFailedError
+from . import callbacks
 from .store import group_name, tcp_store
 
 logger = logging.getLogger("commpress")
@@ -215,7 +216,7 @@ class FaultChannel:
                 self._pending[key] = trigger
         if not added:
             trigger.set_exception(self._error())
-            return trigger.then(_value)
+            return callbacks.then(trigger, _value)
 
         def complete(f: torch.futures.Future[Any]) -> None:
             with self._lock:  # whoever takes it from _pending completes it
@@ -228,8 +229,8 @@ class FaultChannel:
                 return
             trigger.set_result(value)
 
-        fut.add_done_callback(complete)
-        return trigger.then(_value)
+        callbacks.add_done_callback(fut, complete)
+        return callbacks.then(trigger, _value)
 
     def wait(self, work: Any, device: torch.device) -> None:
         """``work.wait()`` that raises :class:`RankFailedError` within :data:`WAIT_SLICE_S` of any rank failing.
@@ -362,7 +363,7 @@ def then(
     """
     scope = scope or _scope.get()
     if scope is None or scope[0]._thread is None or device.type != "cpu":
-        return fut.then(fn)
+        return callbacks.then(fut, fn)
     return scope[0].then(fut, fn)
 
 

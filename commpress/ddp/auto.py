@@ -66,7 +66,7 @@ import torch.distributed as dist
 
 from .. import comm
 from ..codecs import Codec
-from ..comm import CommStats, Hierarchical
+from ..comm import CommStats, Hierarchical, callbacks
 from ..comm.costmodel import (
     OPTIONS,
     DeviceCost,
@@ -404,7 +404,7 @@ class AutoPolicy:
             b.add(option, time.perf_counter() - start)
             return value
 
-        return fut.then(done)
+        return callbacks.then(fut, done)
 
     # ----- periodic decision -------------------------------------------------------------------
     def end_step(self, step: int, device: torch.device | str) -> None:

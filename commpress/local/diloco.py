@@ -80,7 +80,7 @@ import torch
 from .. import checkpoint
 from ..checks import check_loaded_tensor
 from ..codecs import Codec
-from ..comm import CommStats
+from ..comm import CommStats, callbacks
 from ..comm.faults import wait
 from ..errors import ConfigurationError
 from ..options import ratio_stats
@@ -306,7 +306,7 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
         pending = _Pending(fragment, self.step, index)
         pending.reduction = self.outer.launch(delta, index, self.process_group, lo, hi)
         pending.started = time.perf_counter()  # encoded, collective issued: the transfer starts here
-        pending.reduction.future.add_done_callback(pending.mark_done)
+        callbacks.add_done_callback(pending.reduction.future, pending.mark_done)
         self.peak_bytes_in_flight = max(self.peak_bytes_in_flight, pending.reduction.nbytes)
         self._pending = pending
 

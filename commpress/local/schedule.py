@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from .. import options as opts
+from ..comm import callbacks
 from ..comm.agreement import check_same_config
 from ..comm.faults import FaultChannel
 from ..comm.store import group_name, tcp_store
@@ -318,7 +319,7 @@ class LocalSchedule:
         start = time.perf_counter()
         if not fut.done():
             done = threading.Event()
-            fut.add_done_callback(lambda _: done.set())
+            callbacks.add_done_callback(fut, lambda _: done.set())
             deadline = start + self.sync_timeout_s
             while not done.wait(_WAIT_SLICE_S):
                 self.faults.check()
