@@ -59,9 +59,12 @@ class _Counted:
         global _running
         self._fn = None  # free the closure (its tensors, objects with finalizers) before counting this done
         if self._ran:
-            with _lock:
-                _running -= 1
-                _all_freed.notify_all()
+            try:
+                with _lock:
+                    _running -= 1
+                    _all_freed.notify_all()
+            except (AttributeError, TypeError):  # freed while the interpreter tears this module down: nothing waits
+                pass
 
 
 def then(fut: torch.futures.Future[Any], fn: Callable[[torch.futures.Future[Any]], Any]) -> torch.futures.Future[Any]:
