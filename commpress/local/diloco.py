@@ -63,9 +63,12 @@ every case measured, at 3.7x fewer bytes: 2 ranks -4.82% / +1.19% against DDP (s
 97.8% / 97.8% (seeds 0-2; DDP 96.9% / 97.8% / 98.3%, QSGD 4-bit 97.5% / 98.3% / 98.3%) at 418x,
 a held-out loss above QSGD's in 5 of 6 cells (SGD momentum and AdamW inside). Top-k 1% with error
 feedback sends fewer bytes again (669x) but ended +3.93% (LM seed 1) and +10.6% (4 ranks). Still
-not met: issue #26's 1% at 4 ranks and in seed 1 at 2 ranks, and 500x (1 bit per element at H=16
-is at most 512x; the dense 1-D parameters take it to 455x); ``sync_every=96`` with QSGD 4-bit
-ended +0.15% at 736x at 2 ranks with seed 0 but +5.55% with seed 1, so H stays 16.
+not met then: issue #26's 1% at 4 ranks and in seed 1 at 2 ranks, and 500x (1 bit per element at
+H=16 is at most 512x; the dense 1-D parameters took it to 455x); ``sync_every=96`` with QSGD 4-bit
+ended +0.15% at 736x at 2 ranks with seed 0 but +5.55% with seed 1, so H stays 16. **Every
+parameter goes through the codec since** (``min_numel=0``, biases and norm scales too:
+:mod:`.outer`): 509x at 2 ranks (-5.32% / +1.01%, seeds 0 / 1), 402x at 4 (+5.76% / +12.09%),
+digits within 0.5 points of DDP in all six cells (docs/local.md).
 """
 
 from __future__ import annotations
@@ -85,7 +88,7 @@ from ..comm.faults import wait
 from ..errors import ConfigurationError
 from ..options import ratio_stats
 from .auto import CANDIDATES, PROVISIONAL, OuterAuto, parse_choice
-from .outer import OuterReduction, PendingReduction
+from .outer import DEFAULT_OUTER_MIN_NUMEL, OuterReduction, PendingReduction
 from .schedule import SYNC_TIMEOUT_S, VERIFY_TIMEOUT_S, LocalSchedule
 
 logger = logging.getLogger("commpress")
@@ -139,7 +142,8 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
         process_group: the ranks that form the workers (default: the world).
         seed: base of the codecs' shared seeds.
         global_device: where the global copy and the outer optimizer live (default CPU).
-        min_numel: parameters below this many elements (and every 1-D one) travel dense.
+        min_numel: parameters below this many elements travel dense (default 0: every parameter
+            goes through the codec, biases and norm scales too; see :mod:`.outer`).
         fragments: streaming, the parameters synced in k fragments in turn, one every
             ``sync_every / fragments`` steps (a divisor of ``sync_every``; module docstring).
         overlap: inner steps a sync's async collective runs behind the loop before it is merged
@@ -169,7 +173,7 @@ class DiLoCo(LocalSchedule, checkpoint.StateFile):
         codec: str | Codec | None = None, *, outer_lr: float = DEFAULT_OUTER_LR,
         outer_momentum: float = DEFAULT_OUTER_MOMENTUM, nesterov: bool = False,
         outer_optimizer: OuterFactory | None = None, process_group: Any = None,
-        seed: int = 0, global_device: torch.device | str = "cpu", min_numel: int = 1024,
+        seed: int = 0, global_device: torch.device | str = "cpu", min_numel: int = DEFAULT_OUTER_MIN_NUMEL,
         fragments: int = DEFAULT_FRAGMENTS, overlap: int | None = None, merge_alpha: float = DEFAULT_MERGE_ALPHA,
         verify_timeout: float = VERIFY_TIMEOUT_S, sync_timeout: float = SYNC_TIMEOUT_S, replica_group: Any = None,
         **codec_params: Any,

@@ -46,9 +46,10 @@ def test_lm_rows_bytes_and_defaults(tmp_path: Path) -> None:
     assert topk["sync_every"] == 32 and topk["syncs"] == 1
     for r in rows.values():
         assert 0.0 < r["loss"] < 6.0, r  # finite and below a uniform guess over bytes (ln 256 = 5.55) + slack
-    # 16x fewer syncs than DDP steps, each 1 bit per element (its small and 1-D parameters dense: well
-    # below 32x under fp32 on this tiny model) and fewer than the 8-bit row's at twice the syncs
-    assert 0 < default["bytes"] < ddp["bytes"] / 100, (default["bytes"], ddp["bytes"])
+    # 16x fewer syncs than DDP steps, each 1 bit per element, biases and norm scales too (384x on this
+    # tiny model, one scale per tensor; 195x while its 1-D parameters went dense), and fewer than the
+    # 8-bit row's at twice the syncs
+    assert 0 < default["bytes"] < ddp["bytes"] / 300, (default["bytes"], ddp["bytes"])
     assert default["bytes"] < added["bytes"] / 2, (default["bytes"], added["bytes"])
     assert "| DDP all-reduce every step | 1 |" in res.stdout and "+0.00%" in res.stdout
 
