@@ -29,7 +29,7 @@ DEFAULT_MIN_NUMEL = 1024
 
 @dataclass(frozen=True)
 class SelectionRule:
-    """Compress a tensor iff it has >= 2 dims (or ``dense_1d`` is False) and >= ``min_numel`` elements."""
+    """Compress a tensor iff it has >= 2 dims (or ``dense_1d`` is False) and >= ``min_numel`` elements (at least one)."""
 
     min_numel: int = DEFAULT_MIN_NUMEL
     dense_1d: bool = True
@@ -49,7 +49,7 @@ class SelectionRule:
         if self.dense_1d and len(shape) <= 1:
             return False
         n = math.prod(shape) if numel is None else numel
-        return n >= self.min_numel
+        return n > 0 and n >= self.min_numel  # an empty tensor has nothing to compress
 
 
 def embedding_like(model: torch.nn.Module) -> set[int]:

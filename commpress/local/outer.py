@@ -22,6 +22,8 @@ sync leaves no trace in the error feedback.
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -52,22 +54,18 @@ class OuterReduction:
         self.world_size = world_size
         rule = SelectionRule(min_numel, dense_1d=False)
         lossless = isinstance(self.codec, NoneCodec)
-        self.compressed = [not lossless and torch.Size(s).numel() > 0 and bool(rule(n, s)) for n, s in zip(names, shapes)]
-        for name, shape, on in zip(names, shapes, self.compressed):
+        self.names, self.shapes = list(names), [tuple(s) for s in shapes]
+        numels = [math.prod(s) for s in self.shapes]
+        self.compressed = [not lossless and rule(n, s, k) for n, s, k in zip(self.names, self.shapes, numels)]
+        for name, shape, numel, on in zip(self.names, self.shapes, numels, self.compressed):
             if on:
-                numel = int(torch.Size(shape).numel())
                 try:
                     self.codec.wire_size(numel, dtype)
                     self.codec.wire_params(numel)
                 except CodecError as exc:
-                    raise CodecError(f"parameter {name!r} {tuple(shape)}: {exc} (min_numel={numel + 1} "
+                    raise CodecError(f"parameter {name!r} {shape}: {exc} (min_numel={numel + 1} "
                                      "would send it and every smaller parameter dense)") from None
-        self.names, self.shapes = list(names), [tuple(s) for s in shapes]
-        offsets, off = [], 0
-        for s in self.shapes:
-            offsets.append(off)
-            off += int(torch.Size(s).numel())
-        self.offsets = offsets
+        self.offsets = [0, *itertools.accumulate(numels)][:-1]
         self.error_feedback = bool(opts.error_feedback_default(None, self.codec)) and not self.codec.lossless
         algorithm = comm.get(self.algorithm)
         self.worker: ErrorFeedback | None = None
